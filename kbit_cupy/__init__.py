@@ -1,0 +1,18 @@
+"""kbit_cupy: k-bit (k = 2..5) blockwise codebook quantization with CUDA kernels.
+
+NumPy arrays in -> the NumPy path, NumPy out. CuPy arrays in -> CUDA kernels
+compiled at run time by NVRTC, CuPy out. FORMAT.md is the contract.
+"""
+
+from .format import create_normal_float_codebook, decode_absmax_e4m4, encode_absmax_e4m4
+from .quantize import dequantize_kbit, quantize_kbit
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "create_normal_float_codebook",
+    "decode_absmax_e4m4",
+    "dequantize_kbit",
+    "encode_absmax_e4m4",
+    "quantize_kbit",
+]

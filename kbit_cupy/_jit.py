@@ -1,0 +1,255 @@
+"""The one place that knows how kernels are built.
+
+- where the CUDA sources live (``kernels_dir``) and how a family's source is
+  rendered (``render_source``: local ``#include "x.cuh"`` lines are inlined, so
+  CuPy's disk cache, which hashes only the source string, sees header edits);
+- how a kernel's name is spelled (``kernel_name``: the exact C++ template-id
+  string, which ``RawModule.get_function`` matches literally);
+- the compile options (``compile_options``), shared by the runtime path and
+  the offline check;
+- the caches: compiled kernels in-process (``get_kernel``: one RawModule per
+  variant and device, never reloaded) and on disk across processes (CuPy's
+  kernel cache, ``CUPY_CACHE_DIR``; CuPy >= 14.2 keeps name mappings there);
+- the offline compile check (``compile_check``): NVRTC without a GPU, every
+  variant the package can launch, registers/spills/shared memory per kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+# --------------------------------------------------------------------------
+# sources
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+# C++ spelling of the dtypes a kernel is templated on.
+CXX_TYPES = {
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "uint8": "unsigned char",
+}
+
+
+def kernels_dir() -> Path:
+    """Directory holding the .cu/.cuh sources (inside an installed package or the source tree)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_src", here.parent / "kernels_src"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"kbit_cupy: CUDA sources not found next to {here}")
+
+
+@lru_cache(maxsize=None)
+def render_source(family: str) -> str:
+    """Source of ``kernels_src/<family>.cu`` with local headers inlined once each."""
+    root = kernels_dir()
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def repl(match: re.Match) -> str:
+            name = match.group(1)
+            if name in seen:
+                return ""
+            seen.add(name)
+            return expand((root / name).read_text())
+
+        return _INCLUDE.sub(repl, text)
+
+    return expand((root / f"{family}.cu").read_text()).replace("#pragma once", "")
+
+
+def kernel_name(family: str, *template_args) -> str:
+    """Exact template-id, e.g. ``kbit::kbit_quantize<4, __half, unsigned char, false>``."""
+    args = []
+    for arg in template_args:
+        if isinstance(arg, bool):
+            args.append("true" if arg else "false")
+        elif isinstance(arg, int):
+            args.append(str(arg))
+        else:
+            args.append(CXX_TYPES.get(str(arg), str(arg)))
+    return f"kbit::kbit_{family}<{', '.join(args)}>"
+
+
+@dataclass(frozen=True)
+class Variant:
+    family: str  # source file stem
+    args: tuple  # template arguments, in kernel_name spelling order
+
+    @property
+    def name(self) -> str:
+        return kernel_name(self.family, *self.args)
+
+
+def all_variants() -> list[Variant]:
+    """Every kernel variant the package can launch (the compile check's list)."""
+    out = []
+    for k in (2, 3, 4, 5):
+        for dtype in ("float16", "bfloat16", "float32"):
+            for scale in ("uint8", "float16"):
+                for brute in (False, True):
+                    out.append(Variant("quantize", (k, dtype, scale, brute)))
+                out.append(Variant("dequantize", (k, dtype, scale)))
+    return out
+
+
+# --------------------------------------------------------------------------
+# options
+
+
+@lru_cache(maxsize=None)
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directories with cuda_fp16.h / cuda_bf16.h for NVRTC (pip wheels or a toolkit)."""
+    dirs: list[str] = []
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(str(found))
+    except Exception:  # noqa: BLE001 - pathfinder missing or no wheel headers
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        root = os.environ.get(env)
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            dirs.append(str(Path(root) / "include"))
+    if (Path("/usr/local/cuda/include") / "cuda_fp16.h").is_file():
+        dirs.append("/usr/local/cuda/include")
+    unique = []
+    for d in dirs:
+        if d not in unique:
+            unique.append(d)
+    return tuple(unique[:1])  # one CUDA release's headers, never a mix
+
+
+def compile_options() -> tuple[str, ...]:
+    """NVRTC options for every kernel (CuPy adds -ftz=true and -arch itself)."""
+    return ("--std=c++17", *(f"-I{d}" for d in cuda_include_dirs()))
+
+
+# --------------------------------------------------------------------------
+# runtime cache
+
+_kernels: dict[tuple, object] = {}
+
+
+def get_kernel(family: str, *template_args):
+    """Compiled ``cupy.RawKernel`` for one variant on the current device (cached)."""
+    import cupy
+
+    device = cupy.cuda.Device().id
+    key = (family, template_args, device)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        name = kernel_name(family, *template_args)
+        module = cupy.RawModule(
+            code=render_source(family), options=compile_options(), name_expressions=[name]
+        )
+        kernel = module.get_function(name)
+        _kernels[key] = kernel
+    return kernel
+
+
+def cache_dir() -> Path:
+    """CuPy's on-disk kernel cache directory."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+# --------------------------------------------------------------------------
+# offline compile check (no GPU needed)
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+@dataclass
+class CompileResult:
+    variant: Variant
+    arch: str
+    ok: bool
+    registers: int = -1
+    spill_bytes: int = -1
+    stack_bytes: int = -1
+    smem_bytes: int = -1
+    log: str = ""
+
+
+def _nvrtc_compile(source: str, names: list[str], options: list[str]):
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "kbit.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, options)
+            ok = True
+        except nvrtc.NVRTCError:
+            ok = False
+        log = nvrtc.getProgramLog(prog)
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names} if ok else {}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ok, log, lowered
+
+
+def _parse_ptxas(log: str) -> dict[str, dict]:
+    """Per mangled kernel: registers, spill bytes, stack, smem from a -v ptxas log."""
+    stats: dict[str, dict] = {}
+    current = None
+    for line in log.splitlines():
+        m = _PTXAS_FUNC.search(line)
+        if m:
+            current = stats.setdefault(m.group(1), {"registers": -1, "spill": 0, "stack": 0, "smem": 0})
+            continue
+        if current is None:
+            continue
+        if (m := _PTXAS_USED.search(line)):
+            current["registers"] = int(m.group(1))
+            if (s := _PTXAS_SMEM.search(line)):
+                current["smem"] = int(s.group(1))
+        if (m := _PTXAS_SPILL.search(line)):
+            current["spill"] = int(m.group(1)) + int(m.group(2))
+        if (m := _PTXAS_STACK.search(line)):
+            current["stack"] = int(m.group(1))
+    return stats
+
+
+def compile_check(archs: list[str], variants: list[Variant] | None = None) -> list[CompileResult]:
+    """Compile every variant for each arch with NVRTC, no GPU needed.
+
+    One NVRTC program per (family, arch) with all of that family's variants as
+    name expressions, the same source and options the runtime uses (plus the
+    options CuPy adds: ``-ftz=true`` and the arch) and ``--ptxas-options=-v``.
+    """
+    variants = variants or all_variants()
+    results: list[CompileResult] = []
+    families = sorted({v.family for v in variants})
+    for arch in archs:
+        for family in families:
+            members = [v for v in variants if v.family == family]
+            options = [*compile_options(), "-ftz=true", f"-arch={arch}", "--ptxas-options=-v"]
+            ok, log, lowered = _nvrtc_compile(render_source(family), [v.name for v in members], options)
+            stats = _parse_ptxas(log)
+            for v in members:
+                if not ok:
+                    results.append(CompileResult(v, arch, False, log=log))
+                    continue
+                st = stats.get(lowered.get(v.name, ""), None)
+                if st is None:
+                    results.append(CompileResult(v, arch, False, log="no ptxas report for kernel"))
+                    continue
+                results.append(
+                    CompileResult(v, arch, st["spill"] == 0, st["registers"], st["spill"],
+                                  st["stack"], st["smem"], log="")
+                )
+    return results

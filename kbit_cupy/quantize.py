@@ -1,0 +1,256 @@
+"""quantize_kbit / dequantize_kbit: the public entry points of the format.
+
+NumPy arrays run the NumPy path of ``format.py``; CuPy arrays (or any GPU
+array CuPy can import) run the CUDA kernels in ``kernels_src/`` on the current
+CuPy stream. Both give the same bits (FORMAT.md).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from . import _jit
+from ._arrays import (
+    FLOAT_DTYPES,
+    FLOAT_NAMES,
+    as_module_array,
+    float_dtype,
+    host_float32,
+    same_module,
+    to_host,
+)
+from .format import (
+    BLOCK,
+    E4M4_LIMIT,
+    FP16_LIMIT,
+    IndexPlan,
+    check_codebook,
+    check_k,
+    create_normal_float_codebook,
+    dequantize_blocks,
+    e4m4_limit_message,
+    make_index_plan,
+    nblocks_for,
+    quantize_blocks,
+)
+
+ABSMAX_FORMATS = {"e4m4": np.dtype(np.uint8), "fp16": np.dtype(np.float16)}
+_THREADS = 256
+
+
+@lru_cache(maxsize=64)
+def _plan_for(k: int, codebook_bytes: bytes) -> IndexPlan:
+    return make_index_plan(np.frombuffer(codebook_bytes, dtype=np.float32))
+
+
+def _check_absmax_format(absmax_format) -> str:
+    if absmax_format not in ABSMAX_FORMATS:
+        raise ValueError(
+            f'absmax_format must be "e4m4" (uint8 scales, default) or "fp16", got {absmax_format!r}'
+        )
+    return absmax_format
+
+
+def _resolve_codebook(codebook, k: int, xp) -> np.ndarray:
+    if codebook is None:
+        return create_normal_float_codebook(k)
+    if not isinstance(codebook, (list, tuple)):
+        same_module(xp, {"codebook": codebook})
+    return check_codebook(to_host(codebook), k)
+
+
+def _sm_count() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def quantize_kbit(A, k: int = 4, codebook=None, absmax_format: str = "e4m4"):
+    """Quantize ``A`` to k-bit codebook indices with one scale per 32 elements.
+
+    Parameters
+    ----------
+    A : array (NumPy, CuPy or any GPU array CuPy imports), any shape, dtype
+        float16, ``ml_dtypes.bfloat16`` or float32. Read in C order;
+        non-contiguous arrays are copied. Must be finite.
+    k : bits per element, 2..5.
+    codebook : optional, ``2**k`` finite floats (any order, duplicates
+        allowed). Defaults to ``create_normal_float_codebook(k)``.
+    absmax_format : ``"e4m4"`` (uint8 scales, largest 31.0) or ``"fp16"``.
+
+    Returns
+    -------
+    (packed, absmax, codebook) in ``A``'s module: ``packed`` uint32 of shape
+    ``(nblocks * k,)`` (bit-planes, FORMAT.md section 5), ``absmax`` uint8 or
+    float16 of shape ``(nblocks,)``, ``codebook`` float32 ``(2**k,)``, where
+    ``nblocks = ceil(A.size / 32)``.
+
+    Raises
+    ------
+    ValueError: bad ``k``/``absmax_format``/codebook values, NaN or infinity
+    in ``A``, a block absmax too large for the scale format.
+    TypeError: unsupported dtypes, arrays from different modules.
+    """
+    k = check_k(k)
+    absmax_format = _check_absmax_format(absmax_format)
+    xp, A = as_module_array(A, "A")
+    if A.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"A must have dtype {FLOAT_NAMES}, got {A.dtype}; cast it first")
+    cb = _resolve_codebook(codebook, k, xp)
+    plan = _plan_for(k, cb.tobytes())
+    n = int(A.size)
+    nblocks = nblocks_for(n)
+    if xp is np:
+        packed = np.empty(nblocks * k, np.uint32)
+        absmax = np.empty(nblocks, ABSMAX_FORMATS[absmax_format])
+        quantize_blocks(host_float32(A), k, plan, absmax_format, packed, absmax)
+        return packed, absmax, cb
+    packed, absmax, flags = _quantize_cuda(A, k, cb, plan, absmax_format)
+    if flags is not None:
+        _raise_for_flags(int(flags.get()[0]), A, absmax_format)
+    return packed, absmax, xp.asarray(cb)
+
+
+def _quantize_cuda(A, k: int, cb: np.ndarray, plan: IndexPlan, absmax_format: str):
+    """Launch the quantize kernel; returns (packed, absmax, flags) without syncing."""
+    import cupy as cp
+
+    x = cp.ascontiguousarray(A).reshape(-1)
+    n = int(x.size)
+    nblocks = nblocks_for(n)
+    packed = cp.empty(nblocks * k, cp.uint32)
+    absmax = cp.empty(nblocks, ABSMAX_FORMATS[absmax_format])
+    if n == 0:
+        return packed, absmax, None
+    flags = cp.zeros(1, cp.int32)
+    brute = plan.table is None
+    table = cp.asarray(np.zeros((1, 2), np.uint32) if brute else plan.table)
+    codebook = cp.asarray(plan.codebook)
+    kernel = _jit.get_kernel(
+        "quantize", k, x.dtype.name, ABSMAX_FORMATS[absmax_format].name, brute
+    )
+    groups = math.ceil(nblocks / 32)
+    grid = max(1, min(math.ceil(groups / (_THREADS // 32)), _sm_count() * 16))
+    shared = 4 * (1 << k) if brute else 8 * plan.bins
+    bin_offset = np.float32(12582912.0) + np.float32(plan.bins // 2)
+    kernel(
+        (grid,), (_THREADS,),
+        (x, np.int64(n), table, np.int32(plan.bins), np.float32(plan.bin_scale), bin_offset,
+         codebook, packed, absmax, flags),
+        shared_mem=shared,
+    )
+    return packed, absmax, flags
+
+
+def _raise_for_flags(flags: int, A, absmax_format: str) -> None:
+    if not flags:
+        return
+    import cupy as cp
+
+    x = cp.ascontiguousarray(A).reshape(-1).astype(cp.float32)
+    if flags & 1:
+        bad = int(cp.flatnonzero(~cp.isfinite(x))[0])
+        raise ValueError(
+            f"input contains NaN or infinity (first at flat index {bad}); "
+            "quantization needs finite values"
+        )
+    largest = float(cp.abs(x).max())
+    if absmax_format == "e4m4":
+        raise ValueError(e4m4_limit_message(largest))
+    raise ValueError(
+        f"absmax {largest:g} overflows float16 scales (largest 65504, limit {FP16_LIMIT}); "
+        "rescale the tensor before quantizing"
+    )
+
+
+def _check_n(n) -> tuple[int, tuple]:
+    if isinstance(n, (tuple, list)):
+        shape = tuple(int(d) for d in n)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape must be non-negative, got {n!r}")
+        return math.prod(shape), shape
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative int (element count) or a shape tuple, got {n!r}")
+    return int(n), (int(n),)
+
+
+def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=None):
+    """Rebuild ``n`` values from bit-planes, scales and codebook (FORMAT.md section 6).
+
+    Parameters
+    ----------
+    packed : uint32 array of ``ceil(n / 32) * k`` words (from ``quantize_kbit``).
+    absmax : uint8 (E4M4) or float16 array of ``ceil(n / 32)`` block scales.
+    codebook : ``2**k`` floats.
+    k : bits per element, 2..5.
+    n : element count, or a shape tuple for the result.
+    dtype : float16 (default), ``ml_dtypes.bfloat16`` or float32.
+    out : optional contiguous array of ``n`` elements and ``dtype`` in the same
+        module, written in place and returned.
+
+    Returns
+    -------
+    Array of shape ``(n,)`` (or the given shape) and ``dtype``, in the module of
+    ``packed``: ``codebook[idx] * scale`` in float32, rounded to ``dtype``.
+
+    Raises ValueError (sizes that do not fit ``n``/``k``, bad ``out`` size or
+    layout) and TypeError (dtypes, arrays from different modules).
+    """
+    k = check_k(k)
+    total, shape = _check_n(n)
+    xp, packed = as_module_array(packed, "packed")
+    same_module(xp, {"absmax": absmax, "out": out})
+    if not isinstance(codebook, (list, tuple)):
+        same_module(xp, {"codebook": codebook})
+    absmax = xp.asarray(absmax)
+    dtype = float_dtype(dtype, "dtype")
+    if packed.dtype != np.uint32:
+        raise TypeError(f"packed must be uint32 (from quantize_kbit), got {packed.dtype}")
+    if absmax.dtype not in (np.uint8, np.float16):
+        raise TypeError(f"absmax must be uint8 (E4M4) or float16, got {absmax.dtype}")
+    nblocks = nblocks_for(total)
+    if packed.size != nblocks * k:
+        raise ValueError(
+            f"packed has {packed.size} words but n={total}, k={k} needs ceil(n/32)*k = "
+            f"{nblocks * k}; pass the n and k used for quantize_kbit"
+        )
+    if absmax.size != nblocks:
+        raise ValueError(
+            f"absmax has {absmax.size} entries but n={total} needs ceil(n/32) = {nblocks}"
+        )
+    cb = check_codebook(to_host(codebook), k)
+    if out is None:
+        out = xp.empty(shape, dtype)
+    else:
+        if out.dtype != dtype:
+            raise TypeError(f"out has dtype {out.dtype} but dtype={dtype}; pass matching dtypes")
+        if out.size != total:
+            raise ValueError(f"out has {out.size} elements, expected n = {total}")
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous; pass a fresh array or out=None")
+    if total == 0:
+        return out
+    flat = out.reshape(-1)
+    if xp is np:
+        dequantize_blocks(np.ascontiguousarray(packed), np.ascontiguousarray(absmax), cb, k,
+                          total, flat)
+        return out
+    _dequantize_cuda(xp.ascontiguousarray(packed), xp.ascontiguousarray(absmax),
+                     xp.asarray(cb), k, total, flat)
+    return out
+
+
+def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out) -> None:
+    """Launch the dequantize kernel into the flat contiguous ``flat_out``."""
+    kernel = _jit.get_kernel("dequantize", k, flat_out.dtype.name, absmax.dtype.name)
+    nblocks = nblocks_for(n)
+    warps = math.ceil(nblocks / 8)
+    grid = max(1, min(math.ceil(warps / (_THREADS // 32)), _sm_count() * 32))
+    aligned = int(flat_out.data.ptr % 16 == 0)
+    kernel((grid,), (_THREADS,), (packed, absmax, codebook, np.int64(n), flat_out, np.int32(aligned)))
+
+
+__all__ = ["quantize_kbit", "dequantize_kbit", "BLOCK", "E4M4_LIMIT"]

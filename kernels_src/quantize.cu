@@ -1,0 +1,140 @@
+// quantize.cu: float tensor -> k bit-planes per 32-element block + block scale.
+//
+// One warp owns a block at a time: lane l holds element l, the block's absmax
+// is a warp reduction, and each bit-plane word is one __ballot_sync. A warp
+// takes 32 consecutive blocks per step (a "group") so the per-block scalar
+// work (scale encode/decode, reciprocal) runs once per block on one lane
+// instead of on all 32:
+//
+//   step 1  load  v[j] = x[(group*32 + j)*32 + lane]      j = 0..31
+//   step 2  absmax of block j = warp max of |v[j]|; lane j keeps it
+//   step 3  lane j encodes block j's scale, stores absmax, takes 1/scale
+//   step 4  for each block j: z = v[j] / s_j, idx = argmin, k ballots
+//   step 5  the group's 32*k packed words leave in k coalesced stores
+//
+// Index selection (FORMAT.md section 4) has two exact forms, chosen on the
+// host by kbit_cupy/format.py:make_index_plan:
+//   FAST   a table in shared memory, indexed by a monotone function of z,
+//          holds at most one decision threshold per bin: idx is one compare.
+//   BRUTE  argmin over all 2^k entries, ties to the lowest index; used for
+//          codebooks whose near-equal entries make float32 rounding matter.
+#include "common.cuh"
+
+namespace kbit {
+
+// z = RN(x / s) from r = RN(1/s) (r = 0 when s = 0 gives z = 0): two
+// remainder corrections (Markstein) make the quotient correctly rounded, as
+// IEEE division is, for every |x| >= 2^-100; smaller x cannot change the
+// selected index under the FAST plan's preconditions (format.py).
+__device__ __forceinline__ float divide_rn(float x, float s, float r) {
+  float q = __fmul_rn(x, r);
+  float rem = __fmaf_rn(-q, s, x);
+  q = __fmaf_rn(rem, r, q);
+  rem = __fmaf_rn(-q, s, x);
+  return __fmaf_rn(rem, r, q);
+}
+
+// Table lookup: bin = clamp(round(z * bin_scale) + bins/2); adding 1.5*2^23
+// rounds to an integer in the low mantissa bits (bin_offset holds it plus bins/2).
+__device__ __forceinline__ unsigned select_fast(float z, const uint2* table, int bins,
+                                                float bin_scale, float bin_offset) {
+  float w = __fadd_rn(__fmul_rn(z, bin_scale), bin_offset);
+  int bin = min(max(__float_as_int(w) - 0x4B400000, 0), bins - 1);
+  uint2 entry = table[bin];  // x: threshold bits, y: index below | index at-or-above << 8
+  return z >= __uint_as_float(entry.x) ? (entry.y >> 8) : (entry.y & 0xffu);
+}
+
+template <int K>
+__device__ __forceinline__ unsigned select_brute(float z, const float* codebook) {
+  float best = __int_as_float(0x7f800000);
+  unsigned idx = 0;
+#pragma unroll
+  for (int j = 0; j < (1 << K); ++j) {
+    float d = fabsf(__fsub_rn(z, codebook[j]));
+    if (d < best) { best = d; idx = j; }
+  }
+  return idx;
+}
+
+template <int K, typename TIn, typename TScale, bool BRUTE>
+__global__ void __launch_bounds__(256) kbit_quantize(
+    const TIn* __restrict__ x, long long n,
+    const uint2* __restrict__ table, int bins, float bin_scale, float bin_offset,
+    const float* __restrict__ codebook,
+    unsigned* __restrict__ packed, TScale* __restrict__ absmax, int* __restrict__ flags) {
+  extern __shared__ uint2 shared_table[];  // FAST: bins entries; BRUTE: the codebook
+  if (BRUTE) {
+    float* cb = reinterpret_cast<float*>(shared_table);
+    for (int i = threadIdx.x; i < (1 << K); i += blockDim.x) cb[i] = codebook[i];
+  } else {
+    for (int i = threadIdx.x; i < bins; i += blockDim.x) shared_table[i] = table[i];
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const long long nblocks = (n + kBlock - 1) / kBlock;
+  const long long ngroups = (nblocks + 31) / 32;
+  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+  int error = 0;
+
+  for (long long group = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; group < ngroups;
+       group += warps) {
+    const long long first_block = group * 32;
+    const long long base = first_block * kBlock + lane;
+    const bool full = (first_block + 32) * kBlock <= n;
+
+    float v[32];  // step 1: element `lane` of the group's 32 blocks
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      long long e = base + (long long)j * kBlock;
+      v[j] = (full || e < n) ? Elem<TIn>::to_float(x[e]) : 0.0f;  // padding lanes are 0.0
+    }
+
+    unsigned my_absmax_bits = 0;  // step 2: |v| as bits orders like the float
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      unsigned m = __reduce_max_sync(kFullMask, __float_as_uint(v[j]) & 0x7fffffffu);
+      if (lane == j) my_absmax_bits = m;
+    }
+
+    // step 3: this lane's block `first_block + lane`
+    if (my_absmax_bits >= 0x7f800000u) error |= kFlagNonFinite;
+    if (my_absmax_bits < 0x00800000u) my_absmax_bits = 0;  // denormal maxima flush (FTZ)
+    TScale stored = Scale<TScale>::encode(__uint_as_float(my_absmax_bits), error);
+    float scale = Scale<TScale>::decode(stored);
+    float inv_scale = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+    if (first_block + lane < nblocks) absmax[first_block + lane] = stored;
+
+    unsigned words[K];  // step 4: word w = j*K + b of the group lives on lane w % 32
+#pragma unroll
+    for (int q = 0; q < K; ++q) words[q] = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      float s = __shfl_sync(kFullMask, scale, j);
+      unsigned idx;
+      if (BRUTE) {
+        float z = s > 0.0f ? __fdiv_rn(v[j], s) : 0.0f;
+        idx = select_brute<K>(z, reinterpret_cast<const float*>(shared_table));
+      } else {
+        float r = __shfl_sync(kFullMask, inv_scale, j);
+        idx = select_fast(divide_rn(v[j], s, r), shared_table, bins, bin_scale, bin_offset);
+      }
+#pragma unroll
+      for (int b = 0; b < K; ++b) {
+        unsigned plane = __ballot_sync(kFullMask, (idx >> b) & 1u);
+        if (lane == ((j * K + b) & 31)) words[(j * K + b) >> 5] = plane;
+      }
+    }
+
+    // step 5
+    const long long word0 = first_block * K;
+#pragma unroll
+    for (int q = 0; q < K; ++q) {
+      long long w = word0 + q * 32 + lane;
+      if (w < nblocks * K) packed[w] = words[q];
+    }
+  }
+  if (error) atomicOr(flags, error);
+}
+
+}  // namespace kbit
