@@ -114,21 +114,44 @@ def quantize_kbit(A, k: int = 4, codebook=None, absmax_format: str = "e4m4"):
     return packed, absmax, xp.asarray(cb)
 
 
-def _quantize_cuda(A, k: int, cb: np.ndarray, plan: IndexPlan, absmax_format: str):
-    """Launch the quantize kernel; returns (packed, absmax, flags) without syncing."""
+_device_plans: dict[tuple, tuple] = {}
+
+
+def _device_plan(plan: IndexPlan):
+    """(table, codebook) of a plan on the current device, uploaded once."""
+    import cupy as cp
+
+    key = (id(plan), cp.cuda.Device().id)
+    entry = _device_plans.get(key)
+    if entry is None or entry[0] is not plan:
+        table = np.zeros((1, 2), np.uint32) if plan.table is None else plan.table
+        entry = (plan, cp.asarray(table), cp.asarray(plan.codebook))
+        _device_plans[key] = entry
+    return entry[1], entry[2]
+
+
+def _quantize_cuda(A, k: int, cb: np.ndarray, plan: IndexPlan, absmax_format: str,
+                   outputs=None):
+    """Launch the quantize kernel; returns (packed, absmax, flags) without syncing.
+
+    ``outputs``: optional preallocated (packed, absmax, flags) for benchmarks;
+    ``flags`` must be zeroed by the caller.
+    """
     import cupy as cp
 
     x = cp.ascontiguousarray(A).reshape(-1)
     n = int(x.size)
     nblocks = nblocks_for(n)
-    packed = cp.empty(nblocks * k, cp.uint32)
-    absmax = cp.empty(nblocks, ABSMAX_FORMATS[absmax_format])
+    if outputs is None:
+        packed = cp.empty(nblocks * k, cp.uint32)
+        absmax = cp.empty(nblocks, ABSMAX_FORMATS[absmax_format])
+        flags = cp.zeros(1, cp.int32) if n else None
+    else:
+        packed, absmax, flags = outputs
     if n == 0:
         return packed, absmax, None
-    flags = cp.zeros(1, cp.int32)
     brute = plan.table is None
-    table = cp.asarray(np.zeros((1, 2), np.uint32) if brute else plan.table)
-    codebook = cp.asarray(plan.codebook)
+    table, codebook = _device_plan(plan)
     kernel = _jit.get_kernel(
         "quantize", k, x.dtype.name, ABSMAX_FORMATS[absmax_format].name, brute
     )

@@ -57,7 +57,7 @@ __device__ __forceinline__ unsigned select_brute(float z, const float* codebook)
 }
 
 template <int K, typename TIn, typename TScale, bool BRUTE>
-__global__ void __launch_bounds__(256) kbit_quantize(
+__global__ void __launch_bounds__(256, 2) kbit_quantize(
     const TIn* __restrict__ x, long long n,
     const uint2* __restrict__ table, int bins, float bin_scale, float bin_offset,
     const float* __restrict__ codebook,

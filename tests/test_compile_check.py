@@ -1,0 +1,40 @@
+"""Offline NVRTC compile of every kernel variant, sm_80 and sm_90a, no GPU needed."""
+
+import pytest
+
+from kbit_cupy import _jit
+
+
+def _nvrtc_available() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(_jit.cuda_include_dirs())
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC and CUDA headers not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_variant_compiles_without_spills(arch):
+    results = _jit.compile_check([arch])
+    assert len(results) == len(_jit.all_variants())
+    failed = [(r.variant.name, r.spill_bytes, r.log[-2000:]) for r in results if not r.ok]
+    assert not failed, failed
+    assert all(r.registers > 0 for r in results)
+
+
+def test_kernel_names_are_spelled_one_way():
+    assert _jit.kernel_name("quantize", 4, "float16", "uint8", False) == (
+        "kbit::kbit_quantize<4, __half, unsigned char, false>"
+    )
+    assert _jit.kernel_name("dequantize", 2, "bfloat16", "float16") == (
+        "kbit::kbit_dequantize<2, __nv_bfloat16, __half>"
+    )
+
+
+def test_headers_are_inlined_into_the_hashed_source():
+    source = _jit.render_source("quantize")
+    assert '#include "common.cuh"' not in source
+    assert "e4m4_encode" in source
