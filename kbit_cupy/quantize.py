@@ -55,10 +55,10 @@ def _check_absmax_format(absmax_format) -> str:
 
 
 def _resolve_codebook(codebook, k: int, xp) -> np.ndarray:
+    # The codebook is a small parameter, not data: host or device arrays and
+    # lists are all accepted, whatever module the data lives in.
     if codebook is None:
         return create_normal_float_codebook(k)
-    if not isinstance(codebook, (list, tuple)):
-        same_module(xp, {"codebook": codebook})
     return check_codebook(to_host(codebook), k)
 
 
@@ -78,7 +78,8 @@ def quantize_kbit(A, k: int = 4, codebook=None, absmax_format: str = "e4m4"):
         non-contiguous arrays are copied. Must be finite.
     k : bits per element, 2..5.
     codebook : optional, ``2**k`` finite floats (any order, duplicates
-        allowed). Defaults to ``create_normal_float_codebook(k)``.
+        allowed; a host or device array or a list, whatever module ``A`` is
+        in). Defaults to ``create_normal_float_codebook(k)``.
     absmax_format : ``"e4m4"`` (uint8 scales, largest 31.0) or ``"fp16"``.
 
     Returns
@@ -207,7 +208,7 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
     ----------
     packed : uint32 array of ``ceil(n / 32) * k`` words (from ``quantize_kbit``).
     absmax : uint8 (E4M4) or float16 array of ``ceil(n / 32)`` block scales.
-    codebook : ``2**k`` floats.
+    codebook : ``2**k`` floats (host or device array or list).
     k : bits per element, 2..5.
     n : element count, or a shape tuple for the result.
     dtype : float16 (default), ``ml_dtypes.bfloat16`` or float32.
@@ -226,8 +227,6 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
     total, shape = _check_n(n)
     xp, packed = as_module_array(packed, "packed")
     same_module(xp, {"absmax": absmax, "out": out})
-    if not isinstance(codebook, (list, tuple)):
-        same_module(xp, {"codebook": codebook})
     absmax = xp.asarray(absmax)
     dtype = float_dtype(dtype, "dtype")
     if packed.dtype != np.uint32:

@@ -56,6 +56,19 @@ __device__ __forceinline__ unsigned select_brute(float z, const float* codebook)
   return idx;
 }
 
+// Element `lane` of the 32 blocks of `group` (zeros past n or past the last group).
+template <typename TIn>
+__device__ __forceinline__ void load_group(const TIn* __restrict__ x, long long n, long long group,
+                                           long long ngroups, int lane, TIn (&raw)[32]) {
+  const long long base = group * 32 * kBlock + lane;
+  const bool full = group < ngroups && (group + 1) * 32 * kBlock <= n;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    long long e = base + (long long)j * kBlock;
+    raw[j] = (full || (group < ngroups && e < n)) ? x[e] : TIn(0.0f);
+  }
+}
+
 template <int K, typename TIn, typename TScale, bool BRUTE>
 __global__ void __launch_bounds__(256, 2) kbit_quantize(
     const TIn* __restrict__ x, long long n,
@@ -77,24 +90,23 @@ __global__ void __launch_bounds__(256, 2) kbit_quantize(
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   int error = 0;
 
-  for (long long group = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; group < ngroups;
-       group += warps) {
+  // step 1 runs one group ahead: the next group's loads are in flight while
+  // this group computes (a warp has ~2 KB of loads outstanding at all times).
+  long long group = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  TIn raw[32];
+  load_group(x, n, group, ngroups, lane, raw);
+  for (; group < ngroups; group += warps) {
     const long long first_block = group * 32;
-    const long long base = first_block * kBlock + lane;
-    const bool full = (first_block + 32) * kBlock <= n;
-
-    float v[32];  // step 1: element `lane` of the group's 32 blocks
+    float v[32];  // element `lane` of the group's 32 blocks; padding lanes are 0.0
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      long long e = base + (long long)j * kBlock;
-      v[j] = (full || e < n) ? Elem<TIn>::to_float(x[e]) : 0.0f;  // padding lanes are 0.0
-    }
+    for (int j = 0; j < 32; ++j) v[j] = Elem<TIn>::to_float(raw[j]);
+    load_group(x, n, group + warps, ngroups, lane, raw);
 
     unsigned my_absmax_bits = 0;  // step 2: |v| as bits orders like the float
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       unsigned m = __reduce_max_sync(kFullMask, __float_as_uint(v[j]) & 0x7fffffffu);
-      if (lane == j) my_absmax_bits = m;
+      my_absmax_bits = lane == j ? m : my_absmax_bits;  // a select, not a branch
     }
 
     // step 3: this lane's block `first_block + lane`
@@ -122,7 +134,7 @@ __global__ void __launch_bounds__(256, 2) kbit_quantize(
 #pragma unroll
       for (int b = 0; b < K; ++b) {
         unsigned plane = __ballot_sync(kFullMask, (idx >> b) & 1u);
-        if (lane == ((j * K + b) & 31)) words[(j * K + b) >> 5] = plane;
+        words[(j * K + b) >> 5] = lane == ((j * K + b) & 31) ? plane : words[(j * K + b) >> 5];
       }
     }
 

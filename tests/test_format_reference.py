@@ -306,11 +306,12 @@ def test_ftz_denormal_input_is_zero():
 
 def test_ftz_denormal_quotient_is_zero():
     # s_b = 2, x[1] = 1.75 * 2**-126 (normal) -> z = 1.75 * 2**-127 (denormal)
-    # -> 0 -> j=1 (entry 0.0). Unflushed it would be nearest to 2**-126 (j=2).
+    # -> 0, equally far from -2**-125 (j=1) and 2**-125 (j=2) -> j=1.
+    # Unflushed, z is nearer 2**-125 (both distances are normal floats) -> j=2.
     x = np.zeros(32, np.float32)
     x[0] = 2.0
     x[1] = 1.75 * 2.0**-126
-    packed, absmax, _ = _quantize_one_block(x, [-1.0, 0.0, 2.0**-126, 1.0])
+    packed, absmax, _ = _quantize_one_block(x, [-1.0, -(2.0**-125), 2.0**-125, 1.0])
     assert absmax[0] == 0xC0
     assert _indices(packed)[1] == 1
 

@@ -1,0 +1,56 @@
+"""SASS instruction mix of kernel variants (needs cuobjdump; runs where a CUDA toolkit is).
+
+usage: python benchmarks/sass_mix.py quantize:4:float16:uint8:false dequantize:5:float16:uint8
+Compiles each variant with the package's NVRTC options for --arch (default
+sm_90a), disassembles it and prints the opcode histogram.
+"""
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+
+from cupy_backends.cuda.libs import nvrtc
+
+from kbit_cupy import _jit
+
+
+def parse_variant(text: str):
+    family, *args = text.split(":")
+    out = []
+    for a in args:
+        out.append(int(a) if a.isdigit() else {"true": True, "false": False}.get(a, a))
+    return family, tuple(out)
+
+
+def sass_of(family: str, args: tuple, arch: str) -> str:
+    name = _jit.kernel_name(family, *args)
+    prog = nvrtc.createProgram(_jit.render_source(family), "k.cu", [], [])
+    nvrtc.addNameExpression(prog, name)
+    nvrtc.compileProgram(prog, [*_jit.compile_options(), "-ftz=true", f"-arch={arch}"])
+    cubin = nvrtc.getCUBIN(prog) + b"\0"  # CuPy's getCUBIN drops the last byte
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variants", nargs="+")
+    parser.add_argument("--arch", default="sm_90a")
+    args = parser.parse_args()
+    op = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+    for text in args.variants:
+        family, targs = parse_variant(text)
+        sass = sass_of(family, targs, args.arch)
+        ops = collections.Counter(m.group(1).split(".")[0] for m in op.finditer(sass))
+        total = sum(ops.values())
+        print(f"== {_jit.kernel_name(family, *targs)} ({args.arch}): {total} instructions")
+        print("   " + ", ".join(f"{k} {v}" for k, v in ops.most_common(40)))
+
+
+if __name__ == "__main__":
+    main()
