@@ -61,11 +61,16 @@ template <typename TIn>
 __device__ __forceinline__ void load_group(const TIn* __restrict__ x, long long n, long long group,
                                            long long ngroups, int lane, TIn (&raw)[32]) {
   const long long base = group * 32 * kBlock + lane;
-  const bool full = group < ngroups && (group + 1) * 32 * kBlock <= n;
+  if (group < ngroups && (group + 1) * 32 * kBlock <= n) {
+    const TIn* p = x + base;  // full group: constant offsets, no per-element checks
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    long long e = base + (long long)j * kBlock;
-    raw[j] = (full || (group < ngroups && e < n)) ? x[e] : TIn(0.0f);
+    for (int j = 0; j < 32; ++j) raw[j] = p[j * kBlock];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      long long e = base + (long long)j * kBlock;
+      raw[j] = (group < ngroups && e < n) ? x[e] : TIn(0.0f);
+    }
   }
 }
 
@@ -76,6 +81,13 @@ __global__ void __launch_bounds__(256, 2) kbit_quantize(
     const float* __restrict__ codebook,
     unsigned* __restrict__ packed, TScale* __restrict__ absmax, int* __restrict__ flags) {
   extern __shared__ uint2 shared_table[];  // FAST: bins entries; BRUTE: the codebook
+  // Per warp: the group's 32 absmax values, then (scale, 1/scale) per block,
+  // and the 32*K packed words on their way out. Uniform values written by all
+  // lanes to one address and read back as broadcasts: no selects, no shuffles.
+  __shared__ unsigned warp_absmax[8][32];
+  __shared__ float2 warp_scale[8][32];
+  __shared__ unsigned warp_words[8][32 * K];
+  const int warp_in_block = threadIdx.x >> 5;
   if (BRUTE) {
     float* cb = reinterpret_cast<float*>(shared_table);
     for (int i = threadIdx.x; i < (1 << K); i += blockDim.x) cb[i] = codebook[i];
@@ -102,12 +114,12 @@ __global__ void __launch_bounds__(256, 2) kbit_quantize(
     for (int j = 0; j < 32; ++j) v[j] = Elem<TIn>::to_float(raw[j]);
     load_group(x, n, group + warps, ngroups, lane, raw);
 
-    unsigned my_absmax_bits = 0;  // step 2: |v| as bits orders like the float
+    // step 2: |v| as bits orders like the float
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      unsigned m = __reduce_max_sync(kFullMask, __float_as_uint(v[j]) & 0x7fffffffu);
-      my_absmax_bits = lane == j ? m : my_absmax_bits;  // a select, not a branch
-    }
+    for (int j = 0; j < 32; ++j)
+      warp_absmax[warp_in_block][j] = __reduce_max_sync(kFullMask, __float_as_uint(v[j]) & 0x7fffffffu);
+    __syncwarp();
+    unsigned my_absmax_bits = warp_absmax[warp_in_block][lane];
 
     // step 3: this lane's block `first_block + lane`
     if (my_absmax_bits >= 0x7f800000u) error |= kFlagNonFinite;
@@ -116,35 +128,34 @@ __global__ void __launch_bounds__(256, 2) kbit_quantize(
     float scale = Scale<TScale>::decode(stored);
     float inv_scale = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
     if (first_block + lane < nblocks) absmax[first_block + lane] = stored;
+    warp_scale[warp_in_block][lane] = make_float2(scale, inv_scale);
+    __syncwarp();
 
-    unsigned words[K];  // step 4: word w = j*K + b of the group lives on lane w % 32
-#pragma unroll
-    for (int q = 0; q < K; ++q) words[q] = 0;
+    // step 4: word j*K + b of the group is plane b of block j
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      float s = __shfl_sync(kFullMask, scale, j);
+      const float2 sr = warp_scale[warp_in_block][j];
       unsigned idx;
       if (BRUTE) {
-        float z = s > 0.0f ? __fdiv_rn(v[j], s) : 0.0f;
+        float z = sr.x > 0.0f ? __fdiv_rn(v[j], sr.x) : 0.0f;
         idx = select_brute<K>(z, reinterpret_cast<const float*>(shared_table));
       } else {
-        float r = __shfl_sync(kFullMask, inv_scale, j);
-        idx = select_fast(divide_rn(v[j], s, r), shared_table, bins, bin_scale, bin_offset);
+        idx = select_fast(divide_rn(v[j], sr.x, sr.y), shared_table, bins, bin_scale, bin_offset);
       }
 #pragma unroll
-      for (int b = 0; b < K; ++b) {
-        unsigned plane = __ballot_sync(kFullMask, (idx >> b) & 1u);
-        words[(j * K + b) >> 5] = lane == ((j * K + b) & 31) ? plane : words[(j * K + b) >> 5];
-      }
+      for (int b = 0; b < K; ++b)
+        warp_words[warp_in_block][j * K + b] = __ballot_sync(kFullMask, (idx >> b) & 1u);
     }
+    __syncwarp();
 
     // step 5
     const long long word0 = first_block * K;
 #pragma unroll
     for (int q = 0; q < K; ++q) {
       long long w = word0 + q * 32 + lane;
-      if (w < nblocks * K) packed[w] = words[q];
+      if (w < nblocks * K) packed[w] = warp_words[warp_in_block][q * 32 + lane];
     }
+    __syncwarp();  // the next group overwrites the staging arrays
   }
   if (error) atomicOr(flags, error);
 }

@@ -171,8 +171,21 @@ def test_e4m4_encode_just_below_limit_is_largest_code():
     ]
     got = encode_absmax_e4m4(np.array(below, np.float32))
     np.testing.assert_array_equal(got, np.full(len(below), 0xFF, np.uint8))
-    got64 = encode_absmax_e4m4(np.array([np.nextafter(31.5, 0.0)], np.float64))
-    assert got64[0] == 0xFF
+
+
+def test_e4m4_encode_float64_input_is_not_double_rounded():
+    # A float64 absmax is encoded from its own value: rounding it to float32
+    # first would land these on 31.5 (an error) or on an exact tie.
+    cases = [
+        (np.nextafter(31.5, 0.0), 0xFF),  # < 31.5: encodes to 31.0
+        (1.03125 + 2.0**-40, 0xB1),  # just above the 1.0 / 1.0625 tie -> 1.0625
+        (2.0**-15 + 2.0**-60, 0x01),  # just above the 0 / 2**-14 tie -> 2**-14
+        (30.5 + 2.0**-30, 0xFF),  # just above the 30 / 31 tie -> 31
+    ]
+    for value, code in cases:
+        assert float(np.float32(value)) != value  # not a float32: a real float64 case
+        got = encode_absmax_e4m4(np.array([value], np.float64))
+        assert got[0] == code, (value, code, got)
 
 
 @pytest.mark.parametrize("value", [31.5, 31.5000001, 32.0, 100.0, 65504.0, 1e30])
