@@ -11,7 +11,7 @@ must be exact. Use it on small inputs only (up to ~50k elements).
 from __future__ import annotations
 
 from fractions import Fraction
-from functools import lru_cache
+from functools import cache
 from statistics import NormalDist
 
 import ml_dtypes
@@ -90,7 +90,7 @@ def _pick_even_on_tie(candidates: list[int]) -> int:
     return even[0]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _e4m4_encode_exact(a: float) -> int:
     """Brute force over all 256 codes with exact rational distances."""
     _check_e4m4_encodable(a)

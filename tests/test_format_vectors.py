@@ -153,7 +153,15 @@ def test_e4m4_encode_named_ties(value, code):
 
 def test_e4m4_encode_below_half_smallest_is_zero():
     tiny = np.array(
-        [0.0, 2.0**-149, 2.0**-126, 1e-10, 2.0**-16, np.nextafter(np.float32(2.0**-15), np.float32(0)), 2.0**-15],
+        [
+            0.0,
+            2.0**-149,
+            2.0**-126,
+            1e-10,
+            2.0**-16,
+            np.nextafter(np.float32(2.0**-15), np.float32(0)),
+            2.0**-15,
+        ],
         dtype=np.float32,
     )
     np.testing.assert_array_equal(encode_absmax_e4m4(tiny), np.zeros(tiny.size, np.uint8))
@@ -197,7 +205,7 @@ def test_e4m4_encode_at_or_above_limit_raises(value):
             encode_absmax_e4m4(np.array([value], np.float32))
 
 
-@pytest.mark.parametrize("value", [-1.0, -2.0**-20, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("value", [-1.0, -(2.0**-20), np.nan, np.inf, -np.inf])
 def test_e4m4_encode_rejects_negative_and_non_finite(value):
     with pytest.raises(ValueError):
         encode_absmax_e4m4(np.array([0.5, value], np.float32))
@@ -220,7 +228,14 @@ def test_normal_float_codebook_properties(k):
 
 def test_normal_float_codebook_k2_hand_values():
     # Phi^-1(1/8) = -1.1503493803760079, Phi^-1(3/8) = -0.3186393639643752
-    expected = np.array([-1.0, -0.3186393639643752 / 1.1503493803760079, 0.3186393639643752 / 1.1503493803760079, 1.0])
+    expected = np.array(
+        [
+            -1.0,
+            -0.3186393639643752 / 1.1503493803760079,
+            0.3186393639643752 / 1.1503493803760079,
+            1.0,
+        ]
+    )
     np.testing.assert_array_equal(create_normal_float_codebook(2), expected.astype(np.float32))
 
 
@@ -415,8 +430,13 @@ def test_bad_k_raises(k):
     with pytest.raises(ValueError, match=r"\bk\b"):
         quantize_kbit(np.zeros(32, np.float16), k=k)
     with pytest.raises(ValueError, match=r"\bk\b"):
-        dequantize_kbit(np.zeros(max(k, 1), np.uint32), np.zeros(1, np.uint8),
-                        np.zeros(2**max(k, 1), np.float32), k, 32)
+        dequantize_kbit(
+            np.zeros(max(k, 1), np.uint32),
+            np.zeros(1, np.uint8),
+            np.zeros(2 ** max(k, 1), np.float32),
+            k,
+            32,
+        )
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
@@ -454,8 +474,18 @@ def test_bad_absmax_format_raises():
         quantize_kbit(np.zeros(32, np.float16), k=4, absmax_format="fp8")
 
 
-@pytest.mark.parametrize("n, nwords, nabsmax", [(33, 4 * 2 - 1, 2), (33, 4 * 2 + 1, 2), (33, 4, 1),
-                                               (33, 8, 1), (33, 8, 3), (32, 4, 2), (1, 8, 1)])
+@pytest.mark.parametrize(
+    "n, nwords, nabsmax",
+    [
+        (33, 4 * 2 - 1, 2),
+        (33, 4 * 2 + 1, 2),
+        (33, 4, 1),
+        (33, 8, 1),
+        (33, 8, 3),
+        (32, 4, 2),
+        (1, 8, 1),
+    ],
+)
 def test_lengths_not_fitting_n_and_k_raise(n, nwords, nabsmax):
     codebook = create_normal_float_codebook(4)
     with pytest.raises(ValueError):

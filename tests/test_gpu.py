@@ -205,12 +205,21 @@ _CHILD = textwrap.dedent(
     """
     import numpy as np, cupy as cp
     from cupy_backends.cuda.libs import nvrtc
-    calls = []
-    original = nvrtc.compileProgram
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-    nvrtc.compileProgram = counting
+    # Count NVRTC compiles of programs holding our kernels. (CuPy also compiles
+    # an empty program once per process to read the compiler version for its
+    # cache key; that one is not a kernel compile.)
+    ours, calls = set(), []
+    original_create, original_compile = nvrtc.createProgram, nvrtc.compileProgram
+    def create(src, *args, **kwargs):
+        prog = original_create(src, *args, **kwargs)
+        if "kbit_quantize" in src or "kbit_dequantize" in src:
+            ours.add(prog)
+        return prog
+    def compile_(prog, *args, **kwargs):
+        if prog in ours:
+            calls.append(1)
+        return original_compile(prog, *args, **kwargs)
+    nvrtc.createProgram, nvrtc.compileProgram = create, compile_
     import kbit_cupy as kc
     x = cp.asarray((np.arange(1000) % 17 / 10).astype(np.float16))
     for _ in range(3):  # in-process: one compile at most, however many calls
