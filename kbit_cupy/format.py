@@ -134,14 +134,25 @@ def encode_absmax_e4m4(x):
     from ._arrays import array_module
 
     xp = array_module(x)
-    host = np.asarray(x.get() if xp is not np else x, dtype=np.float32)
-    if not np.all(np.isfinite(host)):
+    host = np.asarray(x.get() if xp is not np else x)
+    if host.dtype.kind not in "fiu" and host.dtype.name != "bfloat16":
+        raise TypeError(f"absmax values must be floats, got dtype {host.dtype}")
+    exact = host.astype(np.float64)  # exact for every float dtype up to float64
+    if not np.all(np.isfinite(exact)):
         raise ValueError("absmax values must be finite; got NaN or infinity")
-    if np.any(host < 0):
-        raise ValueError(f"absmax values must be >= 0; got {float(host.min()):g}")
-    if host.size and host.max() >= E4M4_LIMIT:
-        raise ValueError(e4m4_limit_message(host.max()))
-    codes = _e4m4_encode_unchecked(flush_denormals(host))
+    if np.any(exact < 0):
+        raise ValueError(f"absmax values must be >= 0; got {float(exact.min()):g}")
+    if exact.size and exact.max() >= E4M4_LIMIT:
+        raise ValueError(e4m4_limit_message(exact.max()))
+    if host.dtype == np.float32:
+        exact = flush_denormals(host).astype(np.float64)  # as the kernels see float32
+    # Nearest of the two neighbouring codes; both differences are exact in
+    # float64 (Sterbenz), so ties are seen exactly and go to the even mantissa.
+    values = E4M4_VALUES.astype(np.float64)
+    lo = np.clip(np.searchsorted(values, exact, side="right") - 1, 0, 254)
+    d_lo, d_hi = exact - values[lo], values[lo + 1] - exact
+    up = (d_hi < d_lo) | ((d_hi == d_lo) & ((lo & 1) == 1))
+    codes = np.where(exact >= values[255], 255, lo + up).astype(np.uint8)
     return xp.asarray(codes)
 
 

@@ -104,10 +104,15 @@ __global__ void __launch_bounds__(256, 2) kbit_quantize(
 
   // step 1 runs one group ahead: the next group's loads are in flight while
   // this group computes (a warp has ~2 KB of loads outstanding at all times).
-  long long group = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  // The loop runs per CTA (its bound is uniform over the block), so the
+  // compiler knows every warp is converged at the ballots and reductions; a
+  // warp whose group lies past the end works on zeros and stores nothing.
+  const long long warps_per_cta = blockDim.x / 32;
   TIn raw[32];
-  load_group(x, n, group, ngroups, lane, raw);
-  for (; group < ngroups; group += warps) {
+  load_group(x, n, blockIdx.x * warps_per_cta + warp_in_block, ngroups, lane, raw);
+  for (long long cta_group = blockIdx.x * warps_per_cta; cta_group < ngroups;
+       cta_group += warps) {
+    const long long group = cta_group + warp_in_block;
     const long long first_block = group * 32;
     float v[32];  // element `lane` of the group's 32 blocks; padding lanes are 0.0
 #pragma unroll
