@@ -80,7 +80,7 @@ def as_module_array(x, name: str):
         return cp, cp.asarray(x)
     try:
         return cp, cp.from_dlpack(x)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TypeError(f"{name}: cannot import this GPU array into CuPy ({exc})") from exc
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 # --------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def kernels_dir() -> Path:
     raise FileNotFoundError(f"kbit_cupy: CUDA sources not found next to {here}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def render_source(family: str) -> str:
     """Source of ``kernels_src/<family>.cu`` with local headers inlined once each."""
     root = kernels_dir()
@@ -103,7 +103,7 @@ def all_variants() -> list[Variant]:
 # options
 
 
-@lru_cache(maxsize=None)
+@cache
 def cuda_include_dirs() -> tuple[str, ...]:
     """Directories with cuda_fp16.h / cuda_bf16.h for NVRTC (pip wheels or a toolkit)."""
     dirs: list[str] = []
@@ -113,7 +113,7 @@ def cuda_include_dirs() -> tuple[str, ...]:
         found = pathfinder.find_nvidia_header_directory("cudart")
         if found:
             dirs.append(str(found))
-    except Exception:  # noqa: BLE001 - pathfinder missing or no wheel headers
+    except Exception:  # noqa: BLE001, S110 - pathfinder missing or no wheel headers
         pass
     for env in ("CUDA_PATH", "CUDA_HOME"):
         root = os.environ.get(env)

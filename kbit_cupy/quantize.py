@@ -275,4 +275,4 @@ def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out) -> None
     kernel((grid,), (_THREADS,), (packed, absmax, codebook, np.int64(n), flat_out, np.int32(aligned)))
 
 
-__all__ = ["quantize_kbit", "dequantize_kbit", "BLOCK", "E4M4_LIMIT"]
+__all__ = ["BLOCK", "E4M4_LIMIT", "dequantize_kbit", "quantize_kbit"]

@@ -67,7 +67,7 @@ def _assert_same(x_host, k, codebook, absmax_format):
 @pytest.mark.parametrize("absmax_format", ["e4m4", "fp16"])
 def test_cuda_matches_numpy_bit_for_bit(k, dtype, absmax_format):
     rng = np.random.default_rng(1000 * k + len(absmax_format))
-    for name, cb in _codebooks(k, rng).items():
+    for cb in _codebooks(k, rng).values():
         for n in (1, 31, 32, 33, 1000, 4096 + 17):
             x = (rng.standard_normal(n) * rng.choice([1e-3, 0.5, 3.0])).astype(dtype)
             _assert_same(x, k, cb, absmax_format)
@@ -196,7 +196,7 @@ def test_dlpack_input_is_accepted():
         def __init__(self, arr):
             self.__cuda_array_interface__ = arr.__cuda_array_interface__
 
-    packed, absmax, _ = kc.quantize_kbit(Foreign(x), k=4)
+    packed, _, _ = kc.quantize_kbit(Foreign(x), k=4)
     ref, _, _ = kc.quantize_kbit(x, k=4)
     np.testing.assert_array_equal(cp.asnumpy(packed), cp.asnumpy(ref))
 
@@ -237,7 +237,7 @@ def test_second_process_does_not_recompile(tmp_path):
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     counts = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, check=False,
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         counts.append(int(done.stdout.split("COMPILES")[1]))
