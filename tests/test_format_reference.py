@@ -12,33 +12,20 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
+from _reference import (
+    E4M4_TABLE,
+    _e4m4_encode_exact,
+    _e4m4_encode_float32_values,
+    flush_denormals,
+    ref_codebook,
+    ref_dequantize,
+    ref_e4m4_decode,
+    ref_quantize,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kbit_cupy import create_normal_float_codebook, dequantize_kbit, quantize_kbit
-
-try:  # tests/ as a package or as a plain directory on sys.path
-    from ._reference import (
-        E4M4_TABLE,
-        _e4m4_encode_exact,
-        _e4m4_encode_float32_values,
-        flush_denormals,
-        ref_codebook,
-        ref_dequantize,
-        ref_e4m4_decode,
-        ref_quantize,
-    )
-except ImportError:
-    from _reference import (
-        E4M4_TABLE,
-        _e4m4_encode_exact,
-        _e4m4_encode_float32_values,
-        flush_denormals,
-        ref_codebook,
-        ref_dequantize,
-        ref_e4m4_decode,
-        ref_quantize,
-    )
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 IN_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BF16, "fp32": np.dtype(np.float32)}
