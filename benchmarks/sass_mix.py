@@ -10,6 +10,7 @@ import collections
 import re
 import subprocess
 import tempfile
+from pathlib import Path
 
 from cupy_backends.cuda.libs import nvrtc
 
@@ -41,11 +42,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("variants", nargs="+")
     parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--dump", default=None, help="directory to write each variant's full SASS")
     args = parser.parse_args()
     op = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
     for text in args.variants:
         family, targs = parse_variant(text)
         sass = sass_of(family, targs, args.arch)
+        if args.dump:
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            (Path(args.dump) / (text.replace(":", "_") + ".sass")).write_text(sass)
         ops = collections.Counter(m.group(1).split(".")[0] for m in op.finditer(sass))
         total = sum(ops.values())
         print(f"== {_jit.kernel_name(family, *targs)} ({args.arch}): {total} instructions")

@@ -239,6 +239,10 @@ class IndexPlan:
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds |y| < 2**22 to an integer
 
 
+Z_LIMIT = 1.5  # |x / s_b| < Z_LIMIT for every finite input
+MAX_TABLE_BINS = 4096  # 32 KiB of shared memory in the quantize kernel
+
+
 def bin_of(z: np.ndarray, bin_scale: float, bins: int) -> np.ndarray:
     """The CUDA kernel's table index for float32 ``z`` (monotone in z)."""
     y = np.asarray(z, dtype=np.float32) * np.float32(bin_scale)
@@ -278,12 +282,20 @@ def make_index_plan(codebook: np.ndarray) -> IndexPlan:
         lo_key = np.where(active & ~upper, mid, lo_key)
     thresholds = _key_to_float(hi_key)
 
-    # A table that puts at most one threshold in each bin.
+    # A table that puts at most one threshold in each bin, as coarse as that
+    # allows: data concentrates in few bins, so the kernel's lookups mostly
+    # share a shared-memory word or hit distinct banks (fewer bank conflicts).
     table, bin_scale = None, 1.0
     largest = float(np.max(np.abs(thresholds))) if thresholds.size else 1.0
-    for bins in (256, 1024, 4096):
-        scale = 2.0 ** np.floor(np.log2((bins / 2 - 2) / max(largest, 2.0**-60)))
-        scale = float(min(scale, 2.0**20))  # keeps |z| * scale far below 2**22 for |z| < 1.5
+    first_exp = int(np.floor(np.log2(1.0 / max(largest, 2.0**-60)))) - 1
+    for exp in range(first_exp, 21):  # 2**20 keeps |z| * scale far below 2**22 for |z| < 1.5
+        scale = 2.0**exp
+        # The kernel clamps only the top bin, so the table must reach every
+        # quotient of finite input: |z| < 1.5 (the decoded scale is at least
+        # 2/3 of the block's absmax in both scale formats).
+        bins = 2 * (int(np.ceil(max(largest, Z_LIMIT) * scale)) + 2)
+        if bins > MAX_TABLE_BINS:
+            break
         tbins = bin_of(thresholds, scale, bins)
         if tbins.size and np.any(np.diff(tbins) == 0):
             continue

@@ -40,10 +40,10 @@ __device__ __forceinline__ float e4m4_decode(unsigned code) {
 // Nearest code, exact ties to even m, carry into the exponent. Valid for
 // 0 <= a < 31.5 (the caller flags larger values).
 __device__ __forceinline__ unsigned e4m4_encode(float a) {
-  if (a < 0x1p-10f) return __float2uint_rn(a * 16384.0f);  // subnormal range: rint(a * 2^14)
-  unsigned bits = __float_as_uint(a);
-  unsigned rounded = (bits + 0x3FFFFu + ((bits >> 19) & 1u)) >> 19;  // RNE to 4 mantissa bits
-  return rounded - ((127u - kE4M4Bias) << 4);
+  const unsigned subnormal = __float2uint_rn(a * 16384.0f);  // a < 2^-10: rint(a * 2^14)
+  const unsigned bits = __float_as_uint(a);
+  const unsigned rounded = (bits + 0x3FFFFu + ((bits >> 19) & 1u)) >> 19;  // RNE to 4 mantissa bits
+  return a < 0x1p-10f ? subnormal : rounded - ((127u - kE4M4Bias) << 4);  // a select, no branch
 }
 
 // How each stored scale type is written and read back.

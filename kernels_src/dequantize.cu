@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(256) kbit_dequantize(
   const long long nblocks = (n + kBlock - 1) / kBlock;
   const long long stride = (long long)gridDim.x * (blockDim.x / 32) * 8;
 
-#pragma unroll 2  // two blocks' loads in flight per lane
+#pragma unroll 4  // four blocks' loads in flight per lane
   for (long long block = ((long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * 8 + (lane >> 2);
        block < nblocks; block += stride) {
     unsigned bytes[K];

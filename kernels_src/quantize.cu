@@ -1,16 +1,21 @@
 // quantize.cu: float tensor -> k bit-planes per 32-element block + block scale.
 //
-// One warp owns a block at a time: lane l holds element l, the block's absmax
-// is a warp reduction, and each bit-plane word is one __ballot_sync. A warp
-// takes 32 consecutive blocks per step (a "group") so the per-block scalar
-// work (scale encode/decode, reciprocal) runs once per block on one lane
-// instead of on all 32:
+// Layout of the work. A warp takes a "step" of kVecs * 256 consecutive
+// elements; lane l holds 8 consecutive elements of each 256-element slice
+// (one 16-byte load for 16-bit input, two for float32), so four neighbouring
+// lanes (a "quad") hold one 32-element block, lane q of the quad its elements
+// 8q .. 8q+7:
 //
-//   step 1  load  v[j] = x[(group*32 + j)*32 + lane]      j = 0..31
-//   step 2  absmax of block j = warp max of |v[j]|; lane j keeps it
-//   step 3  lane j encodes block j's scale, stores absmax, takes 1/scale
-//   step 4  for each block j: z = v[j] / s_j, idx = argmin, k ballots
-//   step 5  the group's 32*k packed words leave in k coalesced stores
+//   1  load   the next step's slices are in flight while this step computes
+//   2  absmax each lane's max |x| over its 8 elements, then two quad shuffles
+//   3  scale  every lane of the quad encodes the block's scale and takes
+//             1/scale (4x redundant, cheaper than moving the result around)
+//   4  index  z = x / s, idx = argmin; the lane spreads its 8 indices into a
+//             word whose byte b holds bit b of each index (bit e = element e)
+//   5  planes a 4x4 byte transpose over the quad: lane q ends with plane q of
+//             the block (bit 8j+e = bit q of element 8j+e), k=5 also plane 4
+//   6  store  lanes q < k store packed[blk * k + q]: a quad writes its block's
+//             k words, the warp a contiguous run
 //
 // Index selection (FORMAT.md section 4) has two exact forms, chosen on the
 // host by kbit_cupy/format.py:make_index_plan:
@@ -21,6 +26,9 @@
 #include "common.cuh"
 
 namespace kbit {
+
+constexpr int kVecs = 4;                      // 256-element slices per warp step
+constexpr int kStep = kVecs * 8 * kBlock;     // elements per warp step
 
 // z = RN(x / s) from r = RN(1/s) (r = 0 when s = 0 gives z = 0): two
 // remainder corrections (Markstein) make the quotient correctly rounded, as
@@ -34,13 +42,19 @@ __device__ __forceinline__ float divide_rn(float x, float s, float r) {
   return __fmaf_rn(rem, r, q);
 }
 
-// Table lookup: bin = clamp(round(z * bin_scale) + bins/2); adding 1.5*2^23
-// rounds to an integer in the low mantissa bits (bin_offset holds it plus bins/2).
-__device__ __forceinline__ unsigned select_fast(float z, const uint2* table, int bins,
+// Table lookup. w = z * bin_scale + 1.5*2^23 + bins/2 rounds z * bin_scale
+// to an integer in w's low mantissa bits (bin_scale is a power of two, so the
+// FMA rounds once, as format.py:bin_of does); bin = bits(w) - bits(1.5*2^23).
+// Every float32 quotient of finite input has |z| < 1.5 and the table covers
+// that range, so only an upper clamp is needed: NaN, infinities and negative
+// w (from blocks already flagged as errors) have large unsigned bits and land
+// in the last bin; nothing reads outside the table.
+constexpr unsigned kBinBase = 0x4B400000u;  // bits of 1.5*2^23
+__device__ __forceinline__ unsigned select_fast(float z, const uint2* table, unsigned last_bits,
                                                 float bin_scale, float bin_offset) {
-  float w = __fadd_rn(__fmul_rn(z, bin_scale), bin_offset);
-  int bin = min(max(__float_as_int(w) - 0x4B400000, 0), bins - 1);
-  uint2 entry = table[bin];  // x: threshold bits, y: index below | index at-or-above << 8
+  const float w = __fmaf_rn(z, bin_scale, bin_offset);
+  const unsigned bin = min(__float_as_uint(w), last_bits) - kBinBase;
+  const uint2 entry = table[bin];  // x: threshold bits, y: index below | index at-or-above << 8
   return z >= __uint_as_float(entry.x) ? (entry.y >> 8) : (entry.y & 0xffu);
 }
 
@@ -56,38 +70,112 @@ __device__ __forceinline__ unsigned select_brute(float z, const float* codebook)
   return idx;
 }
 
-// Element `lane` of the 32 blocks of `group` (zeros past n or past the last group).
+// 8 consecutive elements as raw 16-byte words: one for 16-bit types, two for float.
+template <typename TIn> struct Slice {
+  static constexpr int kWords = sizeof(TIn) * 8 / 16;
+  uint4 w[kWords];
+};
+
 template <typename TIn>
-__device__ __forceinline__ void load_group(const TIn* __restrict__ x, long long n, long long group,
-                                           long long ngroups, int lane, TIn (&raw)[32]) {
-  const long long base = group * 32 * kBlock + lane;
-  if (group < ngroups && (group + 1) * 32 * kBlock <= n) {
-    const TIn* p = x + base;  // full group: constant offsets, no per-element checks
+__device__ __forceinline__ void to_float8(const Slice<TIn>& s, float (&v)[8]);
+template <>
+__device__ __forceinline__ void to_float8<__half>(const Slice<__half>& s, float (&v)[8]) {
+  const unsigned u[4] = {s.w[0].x, s.w[0].y, s.w[0].z, s.w[0].w};
 #pragma unroll
-    for (int j = 0; j < 32; ++j) raw[j] = p[j * kBlock];
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[i]));
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+template <>
+__device__ __forceinline__ void to_float8<__nv_bfloat16>(const Slice<__nv_bfloat16>& s,
+                                                         float (&v)[8]) {
+  const unsigned u[4] = {s.w[0].x, s.w[0].y, s.w[0].z, s.w[0].w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // bf16 is the top half of a float32
+    v[2 * i] = __uint_as_float(u[i] << 16);
+    v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+template <>
+__device__ __forceinline__ void to_float8<float>(const Slice<float>& s, float (&v)[8]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    v[4 * i] = __uint_as_float(s.w[i].x);
+    v[4 * i + 1] = __uint_as_float(s.w[i].y);
+    v[4 * i + 2] = __uint_as_float(s.w[i].z);
+    v[4 * i + 3] = __uint_as_float(s.w[i].w);
+  }
+}
+
+// max |x| over a slice as float32 bits. |x| as bits orders like the value,
+// NaN above infinity, so integer max finds it and keeps NaN visible. 16-bit
+// types compare two elements per instruction on the raw words.
+__device__ __forceinline__ unsigned max_abs_halves(const uint4& w) {
+  unsigned m = __vmaxu2(__vmaxu2(w.x & 0x7fff7fffu, w.y & 0x7fff7fffu),
+                        __vmaxu2(w.z & 0x7fff7fffu, w.w & 0x7fff7fffu));
+  return max(m & 0xffffu, m >> 16);
+}
+__device__ __forceinline__ unsigned slice_absmax_bits(const Slice<__half>& s) {
+  return __float_as_uint(__half2float(__ushort_as_half((unsigned short)max_abs_halves(s.w[0]))));
+}
+__device__ __forceinline__ unsigned slice_absmax_bits(const Slice<__nv_bfloat16>& s) {
+  return max_abs_halves(s.w[0]) << 16;
+}
+__device__ __forceinline__ unsigned slice_absmax_bits(const Slice<float>& s) {
+  unsigned m = 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    m = max(max(m, max(s.w[i].x & 0x7fffffffu, s.w[i].y & 0x7fffffffu)),
+            max(s.w[i].z & 0x7fffffffu, s.w[i].w & 0x7fffffffu));
+  return m;
+}
+
+// This lane's slices of warp step `step` (zeros past n; nothing past the last step).
+template <typename TIn>
+__device__ __forceinline__ void load_step(const TIn* __restrict__ x, long long n, long long step,
+                                          long long nsteps, int lane, Slice<TIn> (&raw)[kVecs]) {
+  const long long base = step * kStep + lane * 8;
+  if (step < nsteps && (step + 1) * kStep <= n) {  // full step: 16-byte loads (x is 16-byte aligned)
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const uint4* p = reinterpret_cast<const uint4*>(x + base + u * 256);
+#pragma unroll
+      for (int i = 0; i < Slice<TIn>::kWords; ++i) raw[u].w[i] = __ldg(p + i);
+    }
   } else {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      long long e = base + (long long)j * kBlock;
-      raw[j] = (group < ngroups && e < n) ? x[e] : TIn(0.0f);
+    for (int u = 0; u < kVecs; ++u) {
+      // Raw bits, element by element (zero bits are 0.0 in every type).
+      unsigned bits[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        long long i = base + u * 256 + e;
+        bool in = step < nsteps && i < n;
+        if (sizeof(TIn) == 2)
+          bits[e] = in ? reinterpret_cast<const unsigned short*>(x)[i] : 0u;
+        else
+          bits[e] = in ? reinterpret_cast<const unsigned*>(x)[i] : 0u;
+      }
+      if (sizeof(TIn) == 2) {
+        raw[u].w[0] = make_uint4(bits[0] | bits[1] << 16, bits[2] | bits[3] << 16,
+                                 bits[4] | bits[5] << 16, bits[6] | bits[7] << 16);
+      } else {
+        raw[u].w[0] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+        raw[u].w[Slice<TIn>::kWords - 1] = make_uint4(bits[4], bits[5], bits[6], bits[7]);
+      }
     }
   }
 }
 
 template <int K, typename TIn, typename TScale, bool BRUTE>
-__global__ void __launch_bounds__(256, 2) kbit_quantize(
+__global__ void __launch_bounds__(256) kbit_quantize(
     const TIn* __restrict__ x, long long n,
     const uint2* __restrict__ table, int bins, float bin_scale, float bin_offset,
     const float* __restrict__ codebook,
     unsigned* __restrict__ packed, TScale* __restrict__ absmax, int* __restrict__ flags) {
   extern __shared__ uint2 shared_table[];  // FAST: bins entries; BRUTE: the codebook
-  // Per warp: the group's 32 absmax values, then (scale, 1/scale) per block,
-  // and the 32*K packed words on their way out. Uniform values written by all
-  // lanes to one address and read back as broadcasts: no selects, no shuffles.
-  __shared__ unsigned warp_absmax[8][32];
-  __shared__ float2 warp_scale[8][32];
-  __shared__ unsigned warp_words[8][32 * K];
-  const int warp_in_block = threadIdx.x >> 5;
   if (BRUTE) {
     float* cb = reinterpret_cast<float*>(shared_table);
     for (int i = threadIdx.x; i < (1 << K); i += blockDim.x) cb[i] = codebook[i];
@@ -96,71 +184,101 @@ __global__ void __launch_bounds__(256, 2) kbit_quantize(
   }
   __syncthreads();
 
+  const unsigned last_bits = kBinBase + (unsigned)bins - 1u;
   const int lane = threadIdx.x & 31;
+  const int q = lane & 3;              // this lane's quarter of its block
+  const unsigned quad = lane & ~3u;    // first lane of its quad
   const long long nblocks = (n + kBlock - 1) / kBlock;
-  const long long ngroups = (nblocks + 31) / 32;
-  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+  const long long nsteps = (n + kStep - 1) / kStep;
+  const long long warps_per_cta = blockDim.x / 32;
+  const long long warps = (long long)gridDim.x * warps_per_cta;
   int error = 0;
 
-  // step 1 runs one group ahead: the next group's loads are in flight while
-  // this group computes (a warp has ~2 KB of loads outstanding at all times).
-  // The loop runs per CTA (its bound is uniform over the block), so the
-  // compiler knows every warp is converged at the ballots and reductions; a
-  // warp whose group lies past the end works on zeros and stores nothing.
-  const long long warps_per_cta = blockDim.x / 32;
-  TIn raw[32];
-  load_group(x, n, blockIdx.x * warps_per_cta + warp_in_block, ngroups, lane, raw);
-  for (long long cta_group = blockIdx.x * warps_per_cta; cta_group < ngroups;
-       cta_group += warps) {
-    const long long group = cta_group + warp_in_block;
-    const long long first_block = group * 32;
-    float v[32];  // element `lane` of the group's 32 blocks; padding lanes are 0.0
+  // The loop bound is uniform over the CTA, so every warp is converged at the
+  // shuffles; a warp whose step lies past the end works on zeros and stores nothing.
+  Slice<TIn> raw[kVecs];
+  const long long first = blockIdx.x * warps_per_cta;
+  load_step(x, n, first + (threadIdx.x >> 5), nsteps, lane, raw);
+  for (long long cta_step = first; cta_step < nsteps; cta_step += warps) {
+    const long long step = cta_step + (threadIdx.x >> 5);
+    Slice<TIn> cur[kVecs];
 #pragma unroll
-    for (int j = 0; j < 32; ++j) v[j] = Elem<TIn>::to_float(raw[j]);
-    load_group(x, n, group + warps, ngroups, lane, raw);
+    for (int u = 0; u < kVecs; ++u) cur[u] = raw[u];
+    load_step(x, n, step + warps, nsteps, lane, raw);
 
-    // step 2: |v| as bits orders like the float
+    const long long step_block = step * (kStep / kBlock);  // first block of this step
+
+    // steps 2-3 for every slice first, so the index loop below is one
+    // branch-free stretch the compiler can interleave (table-load latency).
+    float scale[kVecs], inv_scale[kVecs];
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
-      warp_absmax[warp_in_block][j] = __reduce_max_sync(kFullMask, __float_as_uint(v[j]) & 0x7fffffffu);
-    __syncwarp();
-    unsigned my_absmax_bits = warp_absmax[warp_in_block][lane];
+    for (int u = 0; u < kVecs; ++u) {
+      // |x| as bits orders like the value, NaN above infinity
+      unsigned m = slice_absmax_bits(cur[u]);
+      m = max(m, __shfl_xor_sync(kFullMask, m, 1));
+      m = max(m, __shfl_xor_sync(kFullMask, m, 2));
+      if (m >= 0x7f800000u) error |= kFlagNonFinite;
+      if (m < 0x00800000u) m = 0;  // denormal maxima flush (FTZ)
+      const TScale stored = Scale<TScale>::encode(__uint_as_float(m), error);
+      // Once this lane has seen bad input its results are discarded (Python
+      // raises); an infinite scale makes every z 0 or NaN, which the table
+      // lookup keeps in bounds.
+      scale[u] = error ? __int_as_float(0x7f800000) : Scale<TScale>::decode(stored);
+      inv_scale[u] = scale[u] > 0.0f ? __frcp_rn(scale[u]) : 0.0f;
+      const long long blk = step_block + u * 8 + (lane >> 2);
+      if (q == 0 && blk < nblocks) absmax[blk] = stored;
+    }
 
-    // step 3: this lane's block `first_block + lane`
-    if (my_absmax_bits >= 0x7f800000u) error |= kFlagNonFinite;
-    if (my_absmax_bits < 0x00800000u) my_absmax_bits = 0;  // denormal maxima flush (FTZ)
-    TScale stored = Scale<TScale>::encode(__uint_as_float(my_absmax_bits), error);
-    float scale = Scale<TScale>::decode(stored);
-    float inv_scale = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
-    if (first_block + lane < nblocks) absmax[first_block + lane] = stored;
-    warp_scale[warp_in_block][lane] = make_float2(scale, inv_scale);
-    __syncwarp();
-
-    // step 4: word j*K + b of the group is plane b of block j
+    // step 4: byte b of spread[u] = bit b of the slice's 8 indices (bit e =
+    // element e); top[u] = bit 4 (k=5). BRUTE keeps its slices in a loop:
+    // IEEE division calls a slow path whose saved registers would spill.
+    unsigned spread[kVecs], top[kVecs];
+    constexpr int kUnroll = BRUTE ? 1 : kVecs;
+#pragma unroll kUnroll
+    for (int u = 0; u < kVecs; ++u) {
+      float v[8];
+      to_float8<TIn>(cur[u], v);
+      spread[u] = 0;
+      top[u] = 0;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const float2 sr = warp_scale[warp_in_block][j];
-      unsigned idx;
-      if (BRUTE) {
-        float z = sr.x > 0.0f ? __fdiv_rn(v[j], sr.x) : 0.0f;
-        idx = select_brute<K>(z, reinterpret_cast<const float*>(shared_table));
-      } else {
-        idx = select_fast(divide_rn(v[j], sr.x, sr.y), shared_table, bins, bin_scale, bin_offset);
+      for (int e = 0; e < 8; ++e) {
+        unsigned idx;
+        if (BRUTE) {
+          float z = scale[u] > 0.0f ? __fdiv_rn(v[e], scale[u]) : 0.0f;
+          idx = select_brute<K>(z, reinterpret_cast<const float*>(shared_table));
+        } else {
+          idx = select_fast(divide_rn(v[e], scale[u], inv_scale[u]), shared_table, last_bits,
+                            bin_scale, bin_offset);
+        }
+        // idx * (0x00204081 << e) puts bit b of idx at 8b + e; the shifted copies
+        // of idx do not overlap, so nothing carries into the kept bits.
+        spread[u] |= (idx * (0x00204081u << e)) & (0x01010101u << e);
+        if (K == 5) top[u] |= (idx << e) & (0x10u << e);
       }
-#pragma unroll
-      for (int b = 0; b < K; ++b)
-        warp_words[warp_in_block][j * K + b] = __ballot_sync(kFullMask, (idx >> b) & 1u);
     }
-    __syncwarp();
 
-    // step 5
-    const long long word0 = first_block * K;
 #pragma unroll
-    for (int q = 0; q < K; ++q) {
-      long long w = word0 + q * 32 + lane;
-      if (w < nblocks * K) packed[w] = warp_words[warp_in_block][q * 32 + lane];
+    for (int u = 0; u < kVecs; ++u) {
+      // step 5: byte q of each quad lane's spread, in lane order
+      const unsigned s0 = __shfl_sync(kFullMask, spread[u], quad + 0);
+      const unsigned s1 = __shfl_sync(kFullMask, spread[u], quad + 1);
+      const unsigned s2 = __shfl_sync(kFullMask, spread[u], quad + 2);
+      const unsigned s3 = __shfl_sync(kFullMask, spread[u], quad + 3);
+      const unsigned sel = q | ((q + 4) << 4);
+      const unsigned word = __byte_perm(__byte_perm(s0, s1, sel), __byte_perm(s2, s3, sel), 0x5410);
+      unsigned word4 = 0;
+      if (K == 5) {
+        word4 = (top[u] >> 4) << (8 * q);
+        word4 |= __shfl_xor_sync(kFullMask, word4, 1);
+        word4 |= __shfl_xor_sync(kFullMask, word4, 2);
+      }
+      // step 6
+      const long long blk = step_block + u * 8 + (lane >> 2);
+      if (blk < nblocks) {
+        if (q < K) packed[blk * K + q] = word;
+        if (K == 5 && q == 0) packed[blk * K + 4] = word4;
+      }
     }
-    __syncwarp();  // the next group overwrites the staging arrays
   }
   if (error) atomicOr(flags, error);
 }
