@@ -192,17 +192,19 @@ def _git(*args: str) -> str | None:
 def git_commit() -> str:
     """Short commit hash of the repository holding this package.
 
-    Runs ``git rev-parse --short HEAD`` in the package's parent directory. Where
-    that fails (no git, not a checkout, no commits yet: the device machine gets
-    a copy of the tree), returns ``$KBIT_COMMIT`` if set, else ``"unknown"``.
+    ``$KBIT_COMMIT`` when set (the device machine gets a copy of the tree,
+    where git may see some other repository's HEAD), else ``git rev-parse
+    --short HEAD`` in the package's parent directory, else ``"unknown"``.
     """
-    head = (_git("rev-parse", "--short", "HEAD") or "").strip()
-    return head or os.environ.get("KBIT_COMMIT", "").strip() or "unknown"
+    pinned = os.environ.get("KBIT_COMMIT", "").strip()
+    return pinned or (_git("rev-parse", "--short", "HEAD") or "").strip() or "unknown"
 
 
 def _git_dirty() -> bool | None:
     """True if tracked files differ from HEAD, False if clean, None if not a git checkout
     with commits."""
+    if os.environ.get("KBIT_COMMIT", "").strip():
+        return None  # a copied tree: git here does not describe it
     if not (_git("rev-parse", "--short", "HEAD") or "").strip():
         return None
     st = _git("status", "--porcelain", "--untracked-files=no")
