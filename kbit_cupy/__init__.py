@@ -5,11 +5,17 @@ compiled at run time by NVRTC, CuPy out. FORMAT.md is the contract.
 """
 
 from .format import create_normal_float_codebook, decode_absmax_e4m4, encode_absmax_e4m4
+from .gemm import KbitWeight, kbit_gemm, quantize_weight, repack_for_gemm, unpack_from_gemm
 from .quantize import dequantize_kbit, quantize_kbit
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KbitWeight",
+    "kbit_gemm",
+    "quantize_weight",
+    "repack_for_gemm",
+    "unpack_from_gemm",
     "create_normal_float_codebook",
     "decode_absmax_e4m4",
     "dequantize_kbit",

@@ -96,7 +96,13 @@ def all_variants() -> list[Variant]:
                 for brute in (False, True):
                     out.append(Variant("quantize", (k, dtype, scale, brute)))
                 out.append(Variant("dequantize", (k, dtype, scale)))
+                if dtype != "float32":
+                    for m_tiles in GEMM_M_TILES:
+                        out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles)))
     return out
+
+
+GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 
 
 # --------------------------------------------------------------------------

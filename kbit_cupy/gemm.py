@@ -1,0 +1,335 @@
+"""Quantized linear-layer weights and the fused product ``C = A @ dequant(W).T``.
+
+``quantize_weight`` turns a ``[N, K_dim]`` weight into a ``KbitWeight``;
+``kbit_gemm`` multiplies activations by it. CuPy activations run CUDA kernels
+(``kernels_src/gemm_mma.cu`` on tensor cores, or dequantize + cuBLAS); NumPy
+activations run the NumPy path (dequantize, float32 matmul) so the API works
+without a GPU. FORMAT.md section 7 is the contract.
+
+The kernels read a tiled copy of the indices and scales
+(``repack_for_gemm``) built once per weight; ``unpack_from_gemm`` restores the
+FORMAT.md layout exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _jit
+from ._arrays import BFLOAT16, array_module, as_module_array, is_device_array
+from .format import BLOCK, check_k
+from .quantize import _sm_count, dequantize_kbit, quantize_kbit
+
+ROWS_PER_TILE = 16  # rows of W per mma tile
+K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
+BLOCKS_PER_TILE = K_PER_TILE // BLOCK
+ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
+KERNELS = ("auto", "mma", "dequant")
+_MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
+_THREADS = 128  # 4 warps, one 16-row tile each
+_CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
+
+
+# --------------------------------------------------------------------------
+# repacking: FORMAT.md bit-planes <-> the mma kernel's tiles
+
+
+def _tile_counts(N: int, K_dim: int) -> tuple[int, int]:
+    return math.ceil(N / ROWS_PER_TILE), math.ceil(K_dim / K_PER_TILE)
+
+
+def _check_shape(k: int, N: int, K_dim: int) -> None:
+    if N < 1:
+        raise ValueError(f"N must be >= 1, got {N}")
+    if K_dim < BLOCK or K_dim % BLOCK:
+        raise ValueError(
+            f"K_dim must be a positive multiple of {BLOCK} (blocks run along it), got {K_dim}; "
+            "pad the weight's columns with zeros to the next multiple of 32"
+        )
+
+
+def _planes_to_indices(xp, packed, k: int) -> object:
+    """uint8 ``[nblocks, 32]`` indices from ``packed`` bit-planes ``[nblocks * k]``."""
+    planes = packed.reshape(-1, k, 1)
+    lanes = xp.arange(32, dtype=xp.uint32)
+    idx = xp.zeros((planes.shape[0], 32), dtype=xp.uint8)
+    for b in range(k):
+        idx |= (((planes[:, b] >> lanes) & 1) << b).astype(xp.uint8)
+    return idx
+
+
+def _indices_to_planes(xp, idx, k: int) -> object:
+    """Inverse of ``_planes_to_indices``: uint32 ``[nblocks * k]``."""
+    lanes = xp.arange(32, dtype=xp.uint32)
+    planes = xp.empty((idx.shape[0], k), dtype=xp.uint32)
+    wide = idx.astype(xp.uint32)
+    for b in range(k):
+        planes[:, b] = (((wide >> b) & 1) << lanes).sum(axis=1, dtype=xp.uint32)
+    return planes.reshape(-1)
+
+
+def _bits_to_words(xp, bits):
+    """Little-endian bit strings ``[..., 32 * W]`` (0/1 uint8) -> uint32 ``[..., W]``."""
+    shape = bits.shape[:-1] + (bits.shape[-1] // 32, 32)
+    weights = xp.left_shift(xp.uint32(1), xp.arange(32, dtype=xp.uint32))
+    return (bits.reshape(shape).astype(xp.uint32) * weights).sum(axis=-1, dtype=xp.uint32)
+
+
+def _words_to_bits(xp, words):
+    lanes = xp.arange(32, dtype=xp.uint32)
+    return ((words[..., None] >> lanes) & 1).astype(xp.uint8).reshape(words.shape[:-1] + (-1,))
+
+
+def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
+    """FORMAT.md ``(packed, absmax)`` of a ``[N, K_dim]`` weight -> the mma kernel's tiles.
+
+    Returns ``(tiles, scales)`` in the input's module: ``tiles`` uint32 of shape
+    ``(row_tiles, k_tiles, k, 32, 4)`` (per 16-row x 256-column tile, lane
+    ``4g + t`` holds the 128 indices of rows ``g``/``g+8``, columns ``8t..8t+7`` of
+    each block as one bit string of k-bit fields, see ``kernels_src/gemm_mma.cu``),
+    ``scales`` of ``absmax``'s dtype and shape ``(row_tiles, k_tiles, 16, 8)``.
+    Rows past ``N`` and columns past ``K_dim`` are padding (index 0, scale 0).
+    ``unpack_from_gemm`` inverts it exactly.
+    """
+    k = check_k(k)
+    N, K_dim = int(N), int(K_dim)
+    _check_shape(k, N, K_dim)
+    xp = array_module(packed)
+    nblocks = N * K_dim // BLOCK
+    if packed.shape != (nblocks * k,) or absmax.shape != (nblocks,):
+        raise ValueError(
+            f"packed/absmax shapes {packed.shape}/{absmax.shape} do not match a [{N}, {K_dim}] "
+            f"weight at k={k} (expected ({nblocks * k},)/({nblocks},))"
+        )
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    kb, kbp = K_dim // BLOCK, kt_n * BLOCKS_PER_TILE
+    tiles = xp.empty((rt_n, kt_n, k, 32, 4), dtype=xp.uint32)
+    # Rows are converted in chunks of whole row tiles to bound temporary memory.
+    rows_per_chunk = max(ROWS_PER_TILE, _CHUNK_WEIGHTS // (kbp * BLOCK) // 16 * 16)
+    for r0 in range(0, rt_n * ROWS_PER_TILE, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, rt_n * ROWS_PER_TILE)
+        idx = xp.zeros((r1 - r0, kbp, BLOCK), dtype=xp.uint8)
+        real = max(0, min(r1, N) - r0)
+        if real:
+            blocks = packed[r0 * kb * k : (r0 + real) * kb * k]
+            idx[:real, :kb] = _planes_to_indices(xp, blocks, k).reshape(real, kb, BLOCK)
+        # row = 16 rt + 8 h + g; col = 256 kt + 32 j + 8 t + c
+        f = idx.reshape((r1 - r0) // 16, 2, 8, kt_n, 8, 4, 8)
+        f = f.transpose(0, 3, 2, 5, 4, 1, 6)  # [rt, kt, g, t, j, h, c]
+        f = f.reshape((r1 - r0) // 16, kt_n, 32, 128)
+        bits = ((f[..., None] >> xp.arange(k, dtype=xp.uint8)) & 1).reshape(f.shape[:-1] + (-1,))
+        words = _bits_to_words(xp, bits)  # [rt, kt, lane, 4k]
+        tiles[r0 // 16 : r1 // 16] = words.reshape(words.shape[:3] + (k, 4)).transpose(0, 1, 3, 2, 4)
+    scales = xp.zeros((rt_n * ROWS_PER_TILE, kbp), dtype=absmax.dtype)
+    scales[:N, :kb] = absmax.reshape(N, kb)
+    scales = xp.ascontiguousarray(
+        scales.reshape(rt_n, ROWS_PER_TILE, kt_n, BLOCKS_PER_TILE).transpose(0, 2, 1, 3)
+    )
+    return tiles, scales
+
+
+def unpack_from_gemm(tiles, scales, k: int, N: int, K_dim: int):
+    """Inverse of ``repack_for_gemm``: ``(packed, absmax)`` in the FORMAT.md layout."""
+    k = check_k(k)
+    N, K_dim = int(N), int(K_dim)
+    _check_shape(k, N, K_dim)
+    xp = array_module(tiles)
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    if tiles.shape != (rt_n, kt_n, k, 32, 4) or scales.shape != (rt_n, kt_n, 16, 8):
+        raise ValueError(f"tiles/scales shapes {tiles.shape}/{scales.shape} do not match [{N}, {K_dim}], k={k}")
+    kb = K_dim // BLOCK
+    words = tiles.transpose(0, 1, 3, 2, 4).reshape(rt_n, kt_n, 32, 4 * k)
+    bits = _words_to_bits(xp, words).reshape(rt_n, kt_n, 32, 128, k)
+    f = (bits.astype(xp.uint8) << xp.arange(k, dtype=xp.uint8)).sum(axis=-1, dtype=xp.uint8)
+    f = f.reshape(rt_n, kt_n, 8, 4, 8, 2, 8).transpose(0, 5, 2, 1, 4, 3, 6)
+    idx = f.reshape(rt_n * ROWS_PER_TILE, kt_n * BLOCKS_PER_TILE, BLOCK)[:N, :kb]
+    packed = _indices_to_planes(xp, xp.ascontiguousarray(idx).reshape(-1, BLOCK), k)
+    absmax = scales.transpose(0, 2, 1, 3).reshape(rt_n * ROWS_PER_TILE, kt_n * BLOCKS_PER_TILE)
+    return packed, xp.ascontiguousarray(absmax[:N, :kb]).reshape(-1)
+
+
+# --------------------------------------------------------------------------
+# the weight object
+
+
+@dataclass
+class KbitWeight:
+    """A k-bit quantized ``[N, K_dim]`` weight (FORMAT.md sections 5 and 7).
+
+    ``packed`` (uint32 bit-planes), ``absmax`` (uint8 E4M4 codes or float16)
+    and ``codebook`` (float32, ``2**k``) live in one module (NumPy or CuPy);
+    ``shape`` is ``(N, K_dim)``. The kernels' tiled layout is built on first
+    use (or by ``prepare()``) and kept.
+    """
+
+    packed: object
+    absmax: object
+    codebook: object
+    k: int
+    shape: tuple[int, int]
+    _tiles: tuple | None = field(default=None, repr=False)
+
+    @property
+    def absmax_format(self) -> str:
+        return "e4m4" if self.absmax.dtype == np.uint8 else "fp16"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed indices + scales + codebook (the tiled copy is the same size)."""
+        return int(self.packed.nbytes + self.absmax.nbytes + self.codebook.nbytes)
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8.0 * (self.packed.nbytes + self.absmax.nbytes) / (self.shape[0] * self.shape[1])
+
+    def dequantize(self, dtype=np.float16):
+        """The ``[N, K_dim]`` weight in ``dtype`` (FORMAT.md section 6)."""
+        return dequantize_kbit(self.packed, self.absmax, self.codebook, self.k, self.shape, dtype=dtype)
+
+    def prepare(self) -> KbitWeight:
+        """Build the kernels' tiled layout now (it is otherwise built on first use)."""
+        if self._tiles is None:
+            self._tiles = repack_for_gemm(self.packed, self.absmax, self.k, *self.shape)
+        return self
+
+    def to_device(self) -> KbitWeight:
+        """A copy on the current CUDA device (CuPy arrays)."""
+        import cupy as cp
+
+        return KbitWeight(cp.asarray(self.packed), cp.asarray(self.absmax), cp.asarray(self.codebook),
+                          self.k, self.shape)
+
+
+def quantize_weight(W, k: int = 4, codebook=None, absmax_format: str = "e4m4") -> KbitWeight:
+    """Quantize a linear layer's weight ``W`` of shape ``[N, K_dim]`` (blocks along K_dim).
+
+    ``W``: float16 / bfloat16 / float32, NumPy or CuPy; ``K_dim % 32 == 0``.
+    The result lives in ``W``'s module. See ``quantize_kbit`` for the rest.
+    """
+    xp, W = as_module_array(W, "W")
+    if W.ndim != 2:
+        raise ValueError(f"W must be 2-D [N, K_dim], got shape {W.shape}")
+    N, K_dim = W.shape
+    _check_shape(check_k(k), N, K_dim)
+    packed, absmax, cb = quantize_kbit(W, k=k, codebook=codebook, absmax_format=absmax_format)
+    return KbitWeight(packed, absmax, cb, int(k), (int(N), int(K_dim)))
+
+
+# --------------------------------------------------------------------------
+# the product
+
+
+def _check_activations(A, weight: KbitWeight, out):
+    if not isinstance(weight, KbitWeight):
+        raise TypeError(f"weight must be a KbitWeight (from quantize_weight), got {type(weight).__name__}")
+    xp, A = as_module_array(A, "A")
+    if A.dtype == np.float32 or A.dtype == np.float64:
+        raise TypeError(f"A must be float16 or bfloat16, got {A.dtype}; cast it first (A.astype(numpy.float16))")
+    if A.dtype not in ACT_DTYPES:
+        raise TypeError(f"A must be float16 or ml_dtypes.bfloat16, got {A.dtype}")
+    N, K_dim = weight.shape
+    if A.ndim < 1 or A.shape[-1] != K_dim:
+        raise ValueError(f"A's last dimension must be K_dim={K_dim}, got shape {A.shape}")
+    if is_device_array(weight.packed) != (xp is not np):
+        where = "GPU" if is_device_array(weight.packed) else "host"
+        raise TypeError(f"A and weight must live in the same place; the weight is on the {where} "
+                        "(use weight.to_device() or pass a NumPy A)")
+    out_shape = A.shape[:-1] + (N,)
+    if out is not None:
+        if array_module(out) is not xp:
+            raise TypeError("out must be in the same module as A")
+        if out.shape != out_shape or out.dtype != A.dtype:
+            raise ValueError(f"out must have shape {out_shape} and dtype {A.dtype}, got {out.shape} {out.dtype}")
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+    return xp, A, out_shape
+
+
+def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
+    """``C = A @ dequant(weight).T``, accumulated in float32.
+
+    A : ``[..., K_dim]`` float16 or ``ml_dtypes.bfloat16``, NumPy or CuPy (the
+        weight must be in the same place). Non-contiguous A is copied.
+    weight : a ``KbitWeight`` of shape ``[N, K_dim]``.
+    out : optional C-contiguous ``[..., N]`` array of A's dtype and module.
+    kernel : ``"auto"``, ``"mma"`` (tensor-core fused kernel) or ``"dequant"``
+        (dequantize to a scratch weight, then cuBLAS); ignored for NumPy A.
+
+    Returns ``C`` of shape ``[..., N]`` and A's dtype.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    xp, A, out_shape = _check_activations(A, weight, out)
+    N, K_dim = weight.shape
+    A2 = A.reshape(-1, K_dim)
+    M = A2.shape[0]
+    C = out if out is not None else xp.empty(out_shape, dtype=A.dtype)
+    if M == 0:
+        return C
+    C2 = C.reshape(M, N)
+    if xp is np:
+        w = weight.dequantize(np.float32)
+        C2[...] = (A2.astype(np.float32) @ w.T).astype(A.dtype)
+        return C
+    choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, A.dtype)
+    A2 = xp.ascontiguousarray(A2)
+    if A2.data.ptr % 16:
+        A2 = A2.copy()
+    if choice == "dequant":
+        w = weight.dequantize(A.dtype)
+        xp.matmul(A2, w.T, out=C2)
+        return C
+    weight.prepare()
+    for m0 in range(0, M, _MMA_MAX_M):
+        m1 = min(M, m0 + _MMA_MAX_M)
+        _launch_mma(A2[m0:m1], weight, C2[m0:m1])
+    return C
+
+
+def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
+    """The kernel ``kernel="auto"`` runs: from benchmarks/results (see README)."""
+    return "mma" if M <= _MMA_MAX_M else "dequant"
+
+
+def _splits(row_tiles: int, k_tiles: int) -> int:
+    """K splits so that every SM gets work: about 16 warps per SM in all."""
+    target = _sm_count() * 16
+    s = max(1, min(k_tiles, math.ceil(target / row_tiles)))
+    per = math.ceil(k_tiles / s)
+    return math.ceil(k_tiles / per)  # no empty splits
+
+
+def _launch_mma(A, weight: KbitWeight, C) -> None:
+    import cupy as cp
+
+    M = A.shape[0]
+    N, K_dim = weight.shape
+    m_tiles = next(t for t in _jit.GEMM_M_TILES if 8 * t >= M)
+    tiles, scales = weight._tiles
+    kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name, m_tiles)
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    splits = _splits(rt_n, kt_n)
+    if splits > 1:
+        workspace = cp.empty(splits * rt_n * m_tiles * 32 * 4, dtype=cp.float32)
+        counters = cp.zeros(rt_n, dtype=cp.int32)
+    else:
+        workspace = cp.empty(1, dtype=cp.float32)
+        counters = cp.empty(1, dtype=cp.int32)
+    warps = _THREADS // 32
+    grid = (math.ceil(rt_n / warps), splits)
+    kern(grid, (_THREADS,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
+                              np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(splits),
+                              workspace, counters))
+
+
+__all__ = [
+    "KbitWeight",
+    "choose_kernel",
+    "kbit_gemm",
+    "quantize_weight",
+    "repack_for_gemm",
+    "unpack_from_gemm",
+]

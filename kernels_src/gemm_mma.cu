@@ -1,0 +1,243 @@
+// gemm_mma.cu: C = A @ dequant(W).T with k-bit weights, on tensor cores (sm_80+).
+//
+// The product is computed transposed, C^T = W A^T, with mma.sync m16n8k16:
+// the weight tile is operand A (16 rows of W), the activations operand B
+// (8 rows of A per n8 tile, M_TILES tiles), fp32 accumulators. A warp owns one
+// 16-row tile of W and a range of 256-wide K tiles (a "split"); it decodes
+// each weight once and feeds it to every n8 tile, so decode cost does not
+// grow with M.
+//
+// Weight layout (made once by kbit_cupy/gemm.py:repack_for_gemm): for row
+// tile rt and K tile kt, lane l = 4g + t holds 128 k-bit indices as one bit
+// string of 4K words, field f = 16j + 8h + c = block j (0..7), row g + 8h,
+// column 8t + c of the block. Field f sits at bits [f*K, f*K + K) of the
+// string: one funnel shift brings any field to the low bits. The words are
+// stored as K uint4 per lane, uint4 q of all 32 lanes contiguous (coalesced).
+// Within a block, thread t's mma k-slots (2t, 2t+1, 2t+8, 2t+9) of the two
+// 16-wide slabs map to columns 8t .. 8t+7: the same permutation of k is
+// applied to A (one 16-byte load per block and n8 tile), so the sum is the
+// same.
+//
+// Scales: per tile 16 rows x 8 blocks, row-major; lane l loads the 4 entries
+// of row l/2, blocks 4(l%2) .. 4(l%2)+3 (uint8 E4M4 codes: one word; fp16:
+// two), and shuffles hand each thread the 16 it needs (rows g and g+8).
+//
+// Effective weight: half(codebook[idx]) * half(scale) in the activation type
+// (FORMAT.md section 7 allows one unit in the last place against section 6).
+//
+// Split K: with SPLIT > 1 each warp writes its fp32 partial tile to a
+// workspace; the last warp to finish a row tile (an integer counter) adds the
+// partials in split order and writes C, so results are deterministic.
+#include "common.cuh"
+
+namespace kbit {
+
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+  __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static unsigned to_bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  __device__ static unsigned mul2(unsigned x, unsigned y) {
+    __half2 r = __hmul2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&y));
+    return *reinterpret_cast<unsigned*>(&r);
+  }
+  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
+};
+template <> struct Mma<__nv_bfloat16> {
+  __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static unsigned to_bits(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+  __device__ static unsigned mul2(unsigned x, unsigned y) {
+    __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x),
+                               *reinterpret_cast<__nv_bfloat162*>(&y));
+    return *reinterpret_cast<unsigned*>(&r);
+  }
+  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+};
+
+// Bits [off, off + 32) of a lane's index string (off is a compile-time constant).
+template <int K>
+__device__ __forceinline__ unsigned field_at(const unsigned (&w)[4 * K], int off) {
+  const int word = off >> 5, shift = off & 31;
+  if (shift == 0) return w[word];
+  if (word + 1 >= 4 * K) return w[word] >> shift;
+  return __funnelshift_r(w[word], w[word + 1], shift);
+}
+
+// Scale entries this lane loads: 4 codes of one row (see the layout above).
+template <typename TScale> struct ScaleWord;
+template <> struct ScaleWord<unsigned char> {
+  using Raw = unsigned;
+  static constexpr int kBytes = 4;
+};
+template <> struct ScaleWord<__half> {
+  using Raw = uint2;
+  static constexpr int kBytes = 8;
+};
+
+template <int K, typename T, typename TScale, int M_TILES>
+__global__ void __launch_bounds__(128) kbit_gemm_mma(
+    const uint4* __restrict__ tiles, const void* __restrict__ scales,
+    const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
+    int M, int N, int K_dim, int row_tiles, int k_tiles, int splits,
+    float* __restrict__ workspace, int* __restrict__ counters) {
+  // E4M4 code -> (scale, scale) in T, built once per CTA.
+  __shared__ unsigned scale_pair[256];
+  if (sizeof(TScale) == 1) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+      unsigned h = Mma<T>::to_bits(e4m4_decode(i));
+      scale_pair[i] = h | (h << 16);
+    }
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int rt = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int split = blockIdx.y;
+  if (rt >= row_tiles) return;  // whole warp: no shuffles are skipped by part of it
+  const int kt_per = (k_tiles + splits - 1) / splits;
+  const int kt0 = split * kt_per, kt1 = min(k_tiles, kt0 + kt_per);
+
+  // Lane j holds codebook[j mod 2^K] in T: a shuffle by an index whose bits
+  // above K are garbage still finds the right entry.
+  const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
+
+  float acc[M_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
+
+  for (int kt = kt0; kt < kt1; ++kt) {
+    const long long tile = (long long)rt * k_tiles + kt;
+    unsigned w[4 * K];
+#pragma unroll
+    for (int q = 0; q < K; ++q) {
+      uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
+      w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+    }
+    // Scales of rows g and g + 8 for blocks 0..7, as (s, s) pairs in T.
+    unsigned s_lo[8], s_hi[8];
+    if (sizeof(TScale) == 1) {
+      const unsigned raw = __ldg(reinterpret_cast<const unsigned*>(scales) + tile * 32 + lane);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const unsigned lo = __shfl_sync(kFullMask, raw, 2 * g + half);
+        const unsigned hi = __shfl_sync(kFullMask, raw, 2 * g + 16 + half);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          s_lo[4 * half + b] = scale_pair[(lo >> (8 * b)) & 0xffu];
+          s_hi[4 * half + b] = scale_pair[(hi >> (8 * b)) & 0xffu];
+        }
+      }
+    } else {
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(scales) + tile * 32 + lane);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        unsigned lo[2], hi[2];
+        lo[0] = __shfl_sync(kFullMask, raw.x, 2 * g + half);
+        lo[1] = __shfl_sync(kFullMask, raw.y, 2 * g + half);
+        hi[0] = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
+        hi[1] = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const float fl = __half2float(__ushort_as_half((unsigned short)(lo[b >> 1] >> (16 * (b & 1)))));
+          const float fh = __half2float(__ushort_as_half((unsigned short)(hi[b >> 1] >> (16 * (b & 1)))));
+          const unsigned hl = Mma<T>::to_bits(fl), hh = Mma<T>::to_bits(fh);
+          s_lo[4 * half + b] = hl | (hl << 16);
+          s_hi[4 * half + b] = hh | (hh << 16);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      // Activations: row m = 8*mt + g, columns 8t .. 8t+7 of block j.
+      uint4 x[M_TILES];
+      const int col = kt * 256 + j * 32 + 8 * t;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        const int m = mt * 8 + g;
+        x[mt] = (m < M && col < K_dim)
+                    ? __ldg(reinterpret_cast<const uint4*>(A + (long long)m * K_dim + col))
+                    : make_uint4(0u, 0u, 0u, 0u);
+      }
+      // Weights: 8 per row half, decoded to T, times the block's scale.
+      unsigned wp[2][4];  // [h][pair]: columns (8t + 2p, 8t + 2p + 1) of row g + 8h
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const int f = 16 * j + 8 * h + 2 * p;
+          const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w, f * K));
+          const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w, (f + 1) * K));
+          wp[h][p] = Mma<T>::mul2(__byte_perm(e0, e1, 0x5410), h ? s_hi[j] : s_lo[j]);
+        }
+      }
+      // Slab 0: columns 8t+0..3, slab 1: 8t+4..7 (k-slots 2t,2t+1 | 2t+8,2t+9).
+#pragma unroll
+      for (int slab = 0; slab < 2; ++slab) {
+        const unsigned a[4] = {wp[0][2 * slab], wp[1][2 * slab], wp[0][2 * slab + 1],
+                               wp[1][2 * slab + 1]};
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          const unsigned b0 = slab ? x[mt].z : x[mt].x;
+          const unsigned b1 = slab ? x[mt].w : x[mt].y;
+          Mma<T>::run(acc[mt], a, b0, b1);
+        }
+      }
+    }
+  }
+
+  // acc[mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m).
+  if (splits > 1) {
+    float* mine = workspace + (((long long)split * row_tiles + rt) * M_TILES * 32 + lane) * 4;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+      reinterpret_cast<float4*>(mine)[mt * 32] =
+          make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    __threadfence();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(counters + rt, 1);
+    arrived = __shfl_sync(kFullMask, arrived, 0);
+    if (arrived != splits - 1) return;
+    __threadfence();
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
+    for (int s = 0; s < splits; ++s) {  // fixed order: deterministic
+      const float* part = workspace + (((long long)s * row_tiles + rt) * M_TILES * 32 + lane) * 4;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(part) + mt * 32);
+        acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+      }
+    }
+    if (lane == 0) counters[rt] = 0;  // ready for the next call
+  }
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = rt * 16 + g + 8 * (i >> 1);
+      const int m = mt * 8 + 2 * t + (i & 1);
+      if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[mt][i]);
+    }
+  }
+}
+
+}  // namespace kbit

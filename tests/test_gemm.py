@@ -1,0 +1,95 @@
+"""KbitWeight, repack round trips and kbit_gemm on the NumPy path (no GPU needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kbit_cupy import KbitWeight, kbit_gemm, quantize_weight, repack_for_gemm, unpack_from_gemm
+from kbit_cupy._arrays import BFLOAT16
+
+TOL = {np.dtype(np.float16): 2e-3, BFLOAT16: 1e-2}
+
+
+def rel_error(C, A, weight) -> float:
+    ref = A.astype(np.float64) @ weight.dequantize(np.float32).astype(np.float64).T
+    diff = C.astype(np.float64) - ref
+    return float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-30))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    k=st.integers(2, 5),
+    N=st.integers(1, 40),
+    kblocks=st.integers(1, 20),
+    fmt=st.sampled_from(["e4m4", "fp16"]),
+    seed=st.integers(0, 2**31),
+)
+def test_repack_round_trip_is_exact(k, N, kblocks, fmt, seed):
+    K_dim = 32 * kblocks
+    W = np.random.default_rng(seed).standard_normal((N, K_dim)).astype(np.float32)
+    w = quantize_weight(W, k=k, absmax_format=fmt)
+    tiles, scales = repack_for_gemm(w.packed, w.absmax, k, N, K_dim)
+    assert tiles.shape == (-(-N // 16), -(-K_dim // 256), k, 32, 4)
+    packed, absmax = unpack_from_gemm(tiles, scales, k, N, K_dim)
+    np.testing.assert_array_equal(packed, w.packed)
+    np.testing.assert_array_equal(absmax, w.absmax)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("M,N,K_dim", [(1, 1, 32), (3, 7, 96), (17, 129, 64), (65, 33, 288)])
+def test_numpy_gemm_within_contract(dtype, k, M, N, K_dim):
+    rng = np.random.default_rng(M * 1000 + N + k)
+    w = quantize_weight(rng.standard_normal((N, K_dim)).astype(np.float32), k=k)
+    A = rng.standard_normal((M, K_dim)).astype(dtype)
+    C = kbit_gemm(A, w)
+    assert C.shape == (M, N) and C.dtype == np.dtype(dtype)
+    assert rel_error(C, A, w) <= TOL[np.dtype(dtype)]
+
+
+def test_batched_leading_dims_and_out():
+    rng = np.random.default_rng(1)
+    w = quantize_weight(rng.standard_normal((10, 64)).astype(np.float16), k=4)
+    A = rng.standard_normal((2, 3, 64)).astype(np.float16)
+    out = np.full((2, 3, 10), np.nan, np.float16)
+    C = kbit_gemm(A, w, out=out)
+    assert C is out and np.isfinite(out).all()
+    np.testing.assert_array_equal(C.reshape(6, 10), kbit_gemm(A.reshape(6, 64), w))
+
+
+def test_m_zero_gives_empty():
+    w = quantize_weight(np.ones((4, 32), np.float16), k=2)
+    assert kbit_gemm(np.zeros((0, 32), np.float16), w).shape == (0, 4)
+
+
+def test_weight_object():
+    W = np.random.default_rng(2).standard_normal((20, 64)).astype(np.float16)
+    w = quantize_weight(W, k=3)
+    assert isinstance(w, KbitWeight) and w.shape == (20, 64) and w.absmax_format == "e4m4"
+    assert w.bits_per_element == pytest.approx(3 + 8 / 32)
+    assert w.nbytes == w.packed.nbytes + w.absmax.nbytes + w.codebook.nbytes
+    assert w.dequantize(np.float32).shape == (20, 64)
+    assert w.prepare()._tiles is not None
+
+
+def test_bad_input_errors():
+    w = quantize_weight(np.ones((4, 64), np.float16), k=4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_weight(np.ones((4, 48), np.float16))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_weight(np.ones(64, np.float16))
+    with pytest.raises(TypeError, match="cast"):
+        kbit_gemm(np.ones((2, 64), np.float32), w)
+    with pytest.raises(ValueError, match="K_dim=64"):
+        kbit_gemm(np.ones((2, 32), np.float16), w)
+    with pytest.raises(ValueError, match="shape"):
+        kbit_gemm(np.ones((2, 64), np.float16), w, out=np.empty((2, 5), np.float16))
+    with pytest.raises(ValueError, match="kernel"):
+        kbit_gemm(np.ones((2, 64), np.float16), w, kernel="fast")
+    with pytest.raises(TypeError, match="KbitWeight"):
+        kbit_gemm(np.ones((2, 64), np.float16), "w")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        repack_for_gemm(w.packed, w.absmax, 4, 4, 60)

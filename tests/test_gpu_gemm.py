@@ -1,0 +1,116 @@
+"""kbit_gemm on the GPU: every kernel against float64, poisoned outputs, determinism.
+
+GPU-marked; skipped without a CUDA GPU. The wide sweep is also marked slow.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kbit_cupy import kbit_gemm, quantize_weight, repack_for_gemm
+from kbit_cupy._arrays import BFLOAT16, gpu_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
+
+TOL = {np.dtype(np.float16): 2e-3, BFLOAT16: 1e-2}
+DTYPES = [np.float16, BFLOAT16]
+
+
+def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
+    import cupy as cp
+
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((N, K_dim)).astype(np.float32)
+    A = rng.standard_normal((M, K_dim)).astype(np.dtype(dtype))
+    w = quantize_weight(cp.asarray(W), k=k, absmax_format=fmt)
+    out = cp.full((M, N), np.nan, dtype=np.dtype(dtype))  # poison: every element must be written
+    C = kbit_gemm(cp.asarray(A), w, out=out, kernel=kernel)
+    assert C is out
+    host = cp.asnumpy(C).astype(np.float64)
+    assert np.isfinite(host).all(), "some outputs were not written"
+    ref = A.astype(np.float64) @ cp.asnumpy(w.dequantize(np.float32)).astype(np.float64).T
+    err = np.linalg.norm(host - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= TOL[np.dtype(dtype)], (M, N, K_dim, k, dtype, kernel, err)
+    return w, A, C
+
+
+@pytest.mark.parametrize("kernel", ["mma", "dequant", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_small_sweep(kernel, dtype, k):
+    for M, N, K_dim in [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 64, 288),
+                        (8, 4096, 256), (1, 127, 4096)]:
+        run_case(M, N, K_dim, k, dtype, kernel)
+
+
+@pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_formats(fmt, dtype):
+    for M in (1, 16, 64):
+        run_case(M, 129, 512, 4, dtype, "mma", fmt=fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_wide_sweep(dtype, k):
+    Ms = [1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 48, 49, 64, 65, 127, 128, 129, 256, 1024]
+    Ns = [1, 7, 64, 127, 128, 129, 768, 4096, 6144]
+    Ks = [32, 96, 2048, 4096, 14336]
+    rng = np.random.default_rng(k)
+    cases = list(itertools.product(Ms, Ns, Ks))
+    for i in rng.choice(len(cases), 40, replace=False):
+        M, N, K_dim = cases[i]
+        run_case(M, N, K_dim, k, dtype, "auto", seed=int(i))
+        if M <= 64:
+            run_case(M, N, K_dim, k, dtype, "mma", seed=int(i))
+
+
+@pytest.mark.parametrize("M", [1, 8, 40])
+def test_deterministic_with_split_k(M):
+    import cupy as cp
+
+    w, A, C = run_case(M, 768, 14336, 4, np.float16, "mma")  # short and wide: split K
+    A_dev = cp.asarray(A)
+    for _ in range(3):
+        again = kbit_gemm(A_dev, w, kernel="mma")
+        assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
+
+
+def test_repack_on_gpu_equals_cpu():
+    import cupy as cp
+
+    W = np.random.default_rng(3).standard_normal((300, 800)).astype(np.float16)
+    for k in (2, 3, 4, 5):
+        w = quantize_weight(W, k=k)
+        t_cpu, s_cpu = repack_for_gemm(w.packed, w.absmax, k, 300, 800)
+        t_gpu, s_gpu = repack_for_gemm(cp.asarray(w.packed), cp.asarray(w.absmax), k, 300, 800)
+        np.testing.assert_array_equal(cp.asnumpy(t_gpu), t_cpu)
+        np.testing.assert_array_equal(cp.asnumpy(s_gpu), s_cpu)
+
+
+def test_noncontiguous_and_batched_activations():
+    import cupy as cp
+
+    rng = np.random.default_rng(4)
+    w = quantize_weight(cp.asarray(rng.standard_normal((50, 128)).astype(np.float16)), k=4)
+    A = cp.asarray(rng.standard_normal((2, 5, 256)).astype(np.float16))[..., ::2]
+    C = kbit_gemm(A, w)
+    assert C.shape == (2, 5, 50)
+    ref = kbit_gemm(cp.ascontiguousarray(A).reshape(10, 128), w)
+    assert (C.reshape(10, 50) == ref).all()
+
+
+def test_errors_on_gpu():
+    import cupy as cp
+
+    w = quantize_weight(cp.ones((4, 64), cp.float16), k=4)
+    with pytest.raises(TypeError, match="cast"):
+        kbit_gemm(cp.ones((2, 64), cp.float32), w)
+    with pytest.raises(TypeError, match="same place"):
+        kbit_gemm(np.ones((2, 64), np.float16), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        kbit_gemm(cp.ones((2, 64), cp.float16), w, out=cp.empty((4, 2), cp.float16).T)
