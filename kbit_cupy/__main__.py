@@ -151,6 +151,18 @@ def cmd_bench_format(args) -> int:
     return run(args)
 
 
+def cmd_bench_gemm(args) -> int:
+    """kbit_gemm vs cuBLAS fp16 over layers, M, k and kernels."""
+    from ._arrays import gpu_available
+
+    if not gpu_available():
+        print("bench-gemm needs a CUDA GPU; none found.", file=sys.stderr)
+        return 1
+    from .bench_gemm import run
+
+    return run(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kbit_cupy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +181,17 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None, help="path prefix for .json and .md results")
     p.set_defaults(func=cmd_bench_format)
+    from .bench_gemm import DEFAULT_M, DEFAULT_SHAPES
+
+    p = sub.add_parser("bench-gemm", help=cmd_bench_gemm.__doc__)
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="layers as K_dimxN")
+    p.add_argument("--m", nargs="+", type=int, default=DEFAULT_M)
+    p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
+    p.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "dequant"])
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None, help="path prefix for .json and .md results")
+    p.set_defaults(func=cmd_bench_gemm)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _jit
-from ._arrays import BFLOAT16, array_module, as_module_array, is_device_array
-from .format import BLOCK, check_k
-from .quantize import _sm_count, dequantize_kbit, quantize_kbit
+from ._arrays import BFLOAT16, array_module, as_module_array, is_device_array, same_module, to_host
+from .format import BLOCK, check_codebook, check_k
+from .quantize import _dequantize_cuda, _sm_count, dequantize_kbit, quantize_kbit
 
 ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
@@ -172,6 +172,23 @@ class KbitWeight:
     shape: tuple[int, int]
     _tiles: tuple | None = field(default=None, repr=False)
 
+    def __post_init__(self):
+        self.k = check_k(self.k)
+        N, K_dim = (int(d) for d in self.shape)
+        self.shape = (N, K_dim)
+        _check_shape(self.k, N, K_dim)
+        xp, self.packed = as_module_array(self.packed, "packed")
+        same_module(xp, {"absmax": self.absmax})
+        nblocks = N * K_dim // BLOCK
+        if self.packed.dtype != np.uint32 or self.packed.shape != (nblocks * self.k,):
+            raise ValueError(f"packed must be uint32 of shape ({nblocks * self.k},) for a "
+                             f"[{N}, {K_dim}] weight at k={self.k}, got {self.packed.dtype} {self.packed.shape}")
+        if self.absmax.dtype not in (np.uint8, np.float16) or self.absmax.shape != (nblocks,):
+            raise ValueError(f"absmax must be uint8 (E4M4) or float16 of shape ({nblocks},), "
+                             f"got {self.absmax.dtype} {self.absmax.shape}")
+        # The codebook follows the data (the kernels read it from device memory).
+        self.codebook = xp.asarray(check_codebook(to_host(self.codebook), self.k))
+
     @property
     def absmax_format(self) -> str:
         return "e4m4" if self.absmax.dtype == np.uint8 else "fp16"
@@ -279,7 +296,9 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     if A2.data.ptr % 16:
         A2 = A2.copy()
     if choice == "dequant":
-        w = weight.dequantize(A.dtype)
+        w = xp.empty(weight.shape, dtype=A.dtype)  # scratch, from CuPy's memory pool
+        _dequantize_cuda(weight.packed, weight.absmax, weight.codebook, weight.k, w.size,
+                         w.reshape(-1))
         xp.matmul(A2, w.T, out=C2)
         return C
     weight.prepare()

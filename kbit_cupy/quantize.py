@@ -63,17 +63,27 @@ def _resolve_codebook(codebook, k: int, xp) -> np.ndarray:
     return check_codebook(to_host(codebook), k)
 
 
-def _sm_count() -> int:
+_device_attrs: dict[int, dict] = {}
+
+
+def _attributes() -> dict:
+    """The current device's attributes, read once per device (the query is slow)."""
     import cupy
 
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    dev = cupy.cuda.Device()
+    attrs = _device_attrs.get(dev.id)
+    if attrs is None:
+        attrs = _device_attrs[dev.id] = dict(dev.attributes)
+    return attrs
+
+
+def _sm_count() -> int:
+    return int(_attributes()["MultiProcessorCount"])
 
 
 def _resident_ctas(kernel, threads: int, shared: int) -> int:
     """CTAs of ``threads`` that fit on one SM at once (registers, shared memory, warps)."""
-    import cupy
-
-    attrs = cupy.cuda.Device().attributes
+    attrs = _attributes()
     warps = threads // 32
     regs_per_warp = -(-max(kernel.num_regs, 1) * 32 // 256) * 256  # allocated in units of 256
     by_regs = attrs["MaxRegistersPerMultiprocessor"] // (regs_per_warp * warps)

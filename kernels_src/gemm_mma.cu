@@ -76,6 +76,13 @@ __device__ __forceinline__ unsigned field_at(const unsigned (&w)[4 * K], int off
   return __funnelshift_r(w[word], w[word + 1], shift);
 }
 
+// An fp16 scale (low 16 bits of `bits`) as a (scale, scale) pair in T.
+template <typename T>
+__device__ __forceinline__ unsigned fp16_scale_pair(unsigned bits) {
+  const unsigned h = Mma<T>::to_bits(__half2float(__ushort_as_half((unsigned short)(bits & 0xffffu))));
+  return h | (h << 16);
+}
+
 // Scale entries this lane loads: 4 codes of one row (see the layout above).
 template <typename TScale> struct ScaleWord;
 template <> struct ScaleWord<unsigned char> {
@@ -95,7 +102,7 @@ __global__ void __launch_bounds__(128) kbit_gemm_mma(
     float* __restrict__ workspace, int* __restrict__ counters) {
   // E4M4 code -> (scale, scale) in T, built once per CTA.
   __shared__ unsigned scale_pair[256];
-  if (sizeof(TScale) == 1) {
+  if constexpr (sizeof(TScale) == 1) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
       unsigned h = Mma<T>::to_bits(e4m4_decode(i));
       scale_pair[i] = h | (h << 16);
@@ -121,18 +128,30 @@ __global__ void __launch_bounds__(128) kbit_gemm_mma(
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
 
-  for (int kt = kt0; kt < kt1; ++kt) {
+  // The next tile's index words and scale words load while this one computes.
+  using RawScale = typename ScaleWord<TScale>::Raw;
+  unsigned w_next[4 * K];
+  RawScale raw_next;
+  auto load_tile = [&](int kt) {
     const long long tile = (long long)rt * k_tiles + kt;
-    unsigned w[4 * K];
 #pragma unroll
     for (int q = 0; q < K; ++q) {
-      uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
-      w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+      const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
+      w_next[4 * q] = v.x; w_next[4 * q + 1] = v.y; w_next[4 * q + 2] = v.z; w_next[4 * q + 3] = v.w;
     }
+    raw_next = __ldg(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane);
+  };
+  if (kt0 < kt1) load_tile(kt0);
+
+  for (int kt = kt0; kt < kt1; ++kt) {
+    unsigned w[4 * K];
+#pragma unroll
+    for (int i = 0; i < 4 * K; ++i) w[i] = w_next[i];
+    const RawScale raw = raw_next;
+    if (kt + 1 < kt1) load_tile(kt + 1);
     // Scales of rows g and g + 8 for blocks 0..7, as (s, s) pairs in T.
     unsigned s_lo[8], s_hi[8];
-    if (sizeof(TScale) == 1) {
-      const unsigned raw = __ldg(reinterpret_cast<const unsigned*>(scales) + tile * 32 + lane);
+    if constexpr (sizeof(TScale) == 1) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const unsigned lo = __shfl_sync(kFullMask, raw, 2 * g + half);
@@ -144,21 +163,17 @@ __global__ void __launch_bounds__(128) kbit_gemm_mma(
         }
       }
     } else {
-      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(scales) + tile * 32 + lane);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        unsigned lo[2], hi[2];
-        lo[0] = __shfl_sync(kFullMask, raw.x, 2 * g + half);
-        lo[1] = __shfl_sync(kFullMask, raw.y, 2 * g + half);
-        hi[0] = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
-        hi[1] = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
+        const unsigned lo0 = __shfl_sync(kFullMask, raw.x, 2 * g + half);
+        const unsigned lo1 = __shfl_sync(kFullMask, raw.y, 2 * g + half);
+        const unsigned hi0 = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
+        const unsigned hi1 = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          const float fl = __half2float(__ushort_as_half((unsigned short)(lo[b >> 1] >> (16 * (b & 1)))));
-          const float fh = __half2float(__ushort_as_half((unsigned short)(hi[b >> 1] >> (16 * (b & 1)))));
-          const unsigned hl = Mma<T>::to_bits(fl), hh = Mma<T>::to_bits(fh);
-          s_lo[4 * half + b] = hl | (hl << 16);
-          s_hi[4 * half + b] = hh | (hh << 16);
+          const int sh = 16 * (b & 1);
+          s_lo[4 * half + b] = fp16_scale_pair<T>(((b < 2) ? lo0 : lo1) >> sh);
+          s_hi[4 * half + b] = fp16_scale_pair<T>(((b < 2) ? hi0 : hi1) >> sh);
         }
       }
     }

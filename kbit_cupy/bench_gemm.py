@@ -1,0 +1,84 @@
+"""kbit_gemm against cuBLAS fp16 with the TARGETS.md method, one process and run.
+
+``python -m kbit_cupy bench-gemm [--shapes KxN ...] [--m 1 16 ...] [--k 2 3 4 5]
+[--kernels auto mma dequant] [--dtype float16] [--out PREFIX]``: for each layer
+(K_dim x N, as TARGETS.md writes them) and M, times cuBLAS ``A @ W.T`` (fp16)
+and kbit_gemm for each k and kernel in one interleaved ``bench.time_ops`` call,
+and reports the ratio, the bandwidth on our bytes (weights + scales +
+activations + output) as a share of the copy bandwidth measured in the same run,
+and TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import bench
+from ._arrays import BFLOAT16
+from .gemm import kbit_gemm, quantize_weight
+
+DEFAULT_SHAPES = ["4096x6144", "4096x28672", "8192x57344", "2048x768"]
+DEFAULT_M = [1, 16, 32, 64, 128, 256, 1024]
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    K_dim, N = (int(v) for v in text.lower().split("x"))
+    return K_dim, N
+
+
+def run(args) -> int:
+    import cupy as cp
+
+    dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
+    info = bench.gpu_info()
+    copy_bw = bench.copy_bandwidth(1 << 30)
+    print(f"{info['gpu']} {info['cc']}  commit {info['commit']}  copy {copy_bw / 1e12:.3f} TB/s")
+    records = []
+    shapes = [parse_shape(s) for s in args.shapes]
+    for K_dim, N in bench.progress(shapes, "layer"):
+        rng = cp.random.default_rng(0)
+        W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * np.float32(0.02)).astype(cp.float16)
+        weights = {k: quantize_weight(W, k=k).prepare() for k in args.k}
+        del W
+        for M in args.m:
+            base, binfo = bench.cublas_fp16_matmul_op(M, N, K_dim, "float16")
+            A = cp.asarray(cp.random.default_rng(1).standard_normal((M, K_dim), dtype=cp.float32)
+                           ).astype(dtype)
+            outs = cp.empty((M, N), dtype)
+            ops = {"cublas_fp16": base}
+            for k, w in weights.items():
+                for kern in args.kernels:
+                    if kern == "mma" and M > 64:
+                        continue
+                    ops[f"k{k}_{kern}"] = (lambda w=w, kern=kern: kbit_gemm(A, w, out=outs, kernel=kern))
+            times = bench.time_ops(ops, reps=args.reps)
+            t_base = times["cublas_fp16"]["median_us"]
+            for name, r in times.items():
+                t = r["median_us"]
+                if name == "cublas_fp16":
+                    k, kern, nbytes = 16, "cublas", binfo["bytes"]
+                else:
+                    k = int(name[1])
+                    kern = name.split("_", 1)[1]
+                    w = weights[k]
+                    nbytes = w.nbytes + A.nbytes + outs.nbytes
+                rec = {
+                    "K_dim": K_dim, "N": N, "M": M, "k": k, "kernel": kern, "dtype": args.dtype,
+                    "time_us": t, "speedup": t_base / t, "GB_s": nbytes / t / 1e3,
+                    "copy_frac": nbytes / (t * 1e-6) / copy_bw,
+                    "TFLOP_s": 2.0 * M * N * K_dim / t / 1e6,
+                }
+                records.append(rec)
+                print(f"{K_dim:>5}x{N:<6} M={M:<5} {name:<14} {t:9.1f} us  {rec['speedup']:5.2f}x  "
+                      f"{100 * rec['copy_frac']:5.1f}% of copy  {rec['TFLOP_s']:7.1f} TFLOP/s")
+            del base, A, outs
+        del weights
+    if args.out:
+        meta = {**info, "copy_bandwidth_TB_s": copy_bw / 1e12, "method": bench.METHOD,
+                "reps": args.reps, "baseline": "cuBLAS fp16 A @ W.T (cupy.matmul)"}
+        bench.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
+                            columns=["K_dim", "N", "M", "k", "kernel", "dtype", "time_us",
+                                     "speedup", "GB_s", "copy_frac", "TFLOP_s"],
+                            title="kbit_gemm vs cuBLAS fp16")
+        print(f"wrote {args.out}.json and {args.out}.md")
+    return 0
