@@ -339,9 +339,12 @@ def _launch_mma(A, weight: KbitWeight, C) -> None:
         counters = cp.empty(1, dtype=cp.int32)
     warps = _THREADS // 32
     grid = (math.ceil(rt_n / warps), splits)
+    shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # double-buffered activations
+    if shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
+        kern.max_dynamic_shared_size_bytes = shared
     kern(grid, (_THREADS,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
                               np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(splits),
-                              workspace, counters))
+                              workspace, counters), shared_mem=shared)
 
 
 __all__ = [

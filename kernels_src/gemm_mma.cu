@@ -35,7 +35,7 @@ namespace kbit {
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
   __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -50,7 +50,7 @@ template <> struct Mma<__half> {
 };
 template <> struct Mma<__nv_bfloat16> {
   __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -95,7 +95,7 @@ template <> struct ScaleWord<__half> {
 };
 
 template <int K, typename T, typename TScale, int M_TILES>
-__global__ void __launch_bounds__(128) kbit_gemm_mma(
+__global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int splits,
@@ -114,7 +114,9 @@ __global__ void __launch_bounds__(128) kbit_gemm_mma(
   const int g = lane >> 2, t = lane & 3;
   const int rt = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int split = blockIdx.y;
-  if (rt >= row_tiles) return;  // whole warp: no shuffles are skipped by part of it
+  // Warps past the last row tile stay: they share the activation loads and
+  // the barriers, and skip the rest (whole warps, so no shuffle loses lanes).
+  const bool active = rt < row_tiles;
   const int kt_per = (k_tiles + splits - 1) / splits;
   const int kt0 = split * kt_per, kt1 = min(k_tiles, kt0 + kt_per);
 
@@ -141,9 +143,44 @@ __global__ void __launch_bounds__(128) kbit_gemm_mma(
     }
     raw_next = __ldg(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane);
   };
-  if (kt0 < kt1) load_tile(kt0);
+  // Activations: the CTA stages A[0 .. 8*M_TILES) x [256 columns of tile kt]
+  // in shared memory, double buffered with cp.async (rows past M and columns
+  // past K_dim are zero-filled). Row r's 16-byte chunk c sits at c ^ 4*(r&1):
+  // the 8 lanes of one LDS.128 phase (rows g, g+1; chunks 4j..4j+3) hit
+  // distinct banks.
+  extern __shared__ uint4 x_stage[];  // [2][8 * M_TILES][32]
+  constexpr int kStageChunks = 8 * M_TILES * 32;
+  auto load_x = [&](int kt, int buf) {
+    for (int i = threadIdx.x; i < kStageChunks; i += blockDim.x) {
+      const int row = i >> 5, c = i & 31;
+      const int col = kt * 256 + 8 * c;
+      const bool valid = row < M && col < K_dim;
+      const T* src = valid ? A + (long long)row * K_dim + col : A;
+      const unsigned dst = (unsigned)__cvta_generic_to_shared(
+          x_stage + buf * kStageChunks + row * 32 + (c ^ ((row & 1) << 2)));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                   "r"(valid ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  if (kt0 < kt1) {
+    load_x(kt0, 0);
+    if (active) load_tile(kt0);
+  }
 
   for (int kt = kt0; kt < kt1; ++kt) {
+    const int buf = (kt - kt0) & 1;
+    if (kt + 1 < kt1) {
+      load_x(kt + 1, buf ^ 1);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncthreads();  // tile kt's activations are in x_stage[buf]
+    if (!active) {
+      __syncthreads();
+      continue;
+    }
     unsigned w[4 * K];
 #pragma unroll
     for (int i = 0; i < 4 * K; ++i) w[i] = w_next[i];
@@ -182,14 +219,9 @@ __global__ void __launch_bounds__(128) kbit_gemm_mma(
     for (int j = 0; j < 8; ++j) {
       // Activations: row m = 8*mt + g, columns 8t .. 8t+7 of block j.
       uint4 x[M_TILES];
-      const int col = kt * 256 + j * 32 + 8 * t;
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-        const int m = mt * 8 + g;
-        x[mt] = (m < M && col < K_dim)
-                    ? __ldg(reinterpret_cast<const uint4*>(A + (long long)m * K_dim + col))
-                    : make_uint4(0u, 0u, 0u, 0u);
-      }
+      for (int mt = 0; mt < M_TILES; ++mt)
+        x[mt] = x_stage[buf * kStageChunks + (mt * 8 + g) * 32 + ((4 * j + t) ^ ((g & 1) << 2))];
       // Weights: 8 per row half, decoded to T, times the block's scale.
       unsigned wp[2][4];  // [h][pair]: columns (8t + 2p, 8t + 2p + 1) of row g + 8h
 #pragma unroll
@@ -215,7 +247,9 @@ __global__ void __launch_bounds__(128) kbit_gemm_mma(
         }
       }
     }
+    __syncthreads();  // everyone is done with x_stage[buf] before it is refilled
   }
+  if (!active) return;
 
   // acc[mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m).
   if (splits > 1) {
