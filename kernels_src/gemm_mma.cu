@@ -112,17 +112,21 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
 
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int rt = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int rt_raw = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int split = blockIdx.y;
-  // Warps past the last row tile stay: they share the activation loads and
-  // the barriers, and skip the rest (whole warps, so no shuffle loses lanes).
-  const bool active = rt < row_tiles;
+  // Warps past the last row tile redo the last tile (uniform control flow:
+  // the barriers and shuffles see every warp and lane) and store nothing.
+  const bool active = rt_raw < row_tiles;
+  const int rt = active ? rt_raw : row_tiles - 1;
   const int kt_per = (k_tiles + splits - 1) / splits;
   const int kt0 = split * kt_per, kt1 = min(k_tiles, kt0 + kt_per);
 
   // Lane j holds codebook[j mod 2^K] in T: a shuffle by an index whose bits
   // above K are garbage still finds the right entry.
+  // k=2: lane a | b << 2 holds (codebook[a], codebook[b]), so one shuffle
+  // by two neighbouring fields gives a pair of weights.
   const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
+  const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
 
   float acc[M_TILES][4];
 #pragma unroll
@@ -151,7 +155,8 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   extern __shared__ uint4 x_stage[];  // [2][8 * M_TILES][32]
   constexpr int kStageChunks = 8 * M_TILES * 32;
   auto load_x = [&](int kt, int buf) {
-    for (int i = threadIdx.x; i < kStageChunks; i += blockDim.x) {
+    const int rows = min(M, 8 * M_TILES);  // rows past M are never read
+    for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
       const int row = i >> 5, c = i & 31;
       const int col = kt * 256 + 8 * c;
       const bool valid = row < M && col < K_dim;
@@ -165,7 +170,7 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   };
   if (kt0 < kt1) {
     load_x(kt0, 0);
-    if (active) load_tile(kt0);
+    load_tile(kt0);
   }
 
   for (int kt = kt0; kt < kt1; ++kt) {
@@ -177,10 +182,6 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();  // tile kt's activations are in x_stage[buf]
-    if (!active) {
-      __syncthreads();
-      continue;
-    }
     unsigned w[4 * K];
 #pragma unroll
     for (int i = 0; i < 4 * K; ++i) w[i] = w_next[i];
@@ -221,7 +222,9 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
       uint4 x[M_TILES];
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt)
-        x[mt] = x_stage[buf * kStageChunks + (mt * 8 + g) * 32 + ((4 * j + t) ^ ((g & 1) << 2))];
+        x[mt] = (mt * 8 + g < M)
+                    ? x_stage[buf * kStageChunks + (mt * 8 + g) * 32 + ((4 * j + t) ^ ((g & 1) << 2))]
+                    : make_uint4(0u, 0u, 0u, 0u);
       // Weights: 8 per row half, decoded to T, times the block's scale.
       unsigned wp[2][4];  // [h][pair]: columns (8t + 2p, 8t + 2p + 1) of row g + 8h
 #pragma unroll
@@ -229,9 +232,15 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
           const int f = 16 * j + 8 * h + 2 * p;
-          const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w, f * K));
-          const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w, (f + 1) * K));
-          wp[h][p] = Mma<T>::mul2(__byte_perm(e0, e1, 0x5410), h ? s_hi[j] : s_lo[j]);
+          unsigned pair;
+          if constexpr (K == 2) {
+            pair = __shfl_sync(kFullMask, cb_pair, field_at<K>(w, f * K));
+          } else {
+            const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w, f * K));
+            const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w, (f + 1) * K));
+            pair = __byte_perm(e0, e1, 0x5410);
+          }
+          wp[h][p] = Mma<T>::mul2(pair, h ? s_hi[j] : s_lo[j]);
         }
       }
       // Slab 0: columns 8t+0..3, slab 1: 8t+4..7 (k-slots 2t,2t+1 | 2t+8,2t+9).
