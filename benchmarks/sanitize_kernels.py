@@ -1,0 +1,46 @@
+"""Run every kernel family over a spread of shapes, for compute-sanitizer.
+
+usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py
+       compute-sanitizer --tool racecheck python benchmarks/sanitize_kernels.py --quick
+Checks results loosely (the GPU tests check them exactly); the point is that
+the sanitizer sees every code path: odd M, N, K_dim, split K, both scale
+formats, both activation dtypes, every k.
+"""
+
+import argparse
+
+import cupy as cp
+import numpy as np
+
+import kbit_cupy as kc
+from kbit_cupy._arrays import BFLOAT16
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--quick", action="store_true", help="fewer shapes (racecheck is slow)")
+args = parser.parse_args()
+
+rng = np.random.default_rng(0)
+shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),
+          (1, 768, 14336), (64, 17, 4096)]
+if args.quick:
+    shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336)]
+count = 0
+for k in (2, 3, 4, 5):
+    for fmt in ("e4m4", "fp16"):
+        for dtype in (np.float16, BFLOAT16):
+            for M, N, K_dim in shapes:
+                W = cp.asarray(rng.standard_normal((N, K_dim)).astype(np.float32)).astype(dtype)
+                w = kc.quantize_weight(W, k=k, absmax_format=fmt)
+                A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float32)).astype(dtype)
+                for kernel in ("mma", "dequant"):
+                    C = kc.kbit_gemm(A, w, kernel=kernel)
+                    assert bool(cp.isfinite(C.astype(cp.float32)).all())
+                    count += 1
+            # the format kernels on odd sizes
+            for n in (1, 31, 33, 1000, 4097):
+                x = cp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtype)
+                p, a, cb = kc.quantize_kbit(x, k=k, absmax_format=fmt)
+                kc.dequantize_kbit(p, a, cb, k, n, dtype=dtype)
+                count += 1
+cp.cuda.Device().synchronize()
+print(f"ran {count} cases")
