@@ -48,8 +48,6 @@ def run(args) -> int:
             ops = {"cublas_fp16": base}
             for k, w in weights.items():
                 for kern in args.kernels:
-                    if kern == "mma" and M > 64:
-                        continue
                     ops[f"k{k}_{kern}"] = (lambda w=w, kern=kern: kbit_gemm(A, w, out=outs, kernel=kern))
             times = bench.time_ops(ops, reps=args.reps)
             t_base = times["cublas_fp16"]["median_us"]

@@ -321,6 +321,25 @@ def _splits(row_tiles: int, k_tiles: int) -> int:
     return math.ceil(k_tiles / per)  # no empty splits
 
 
+_counter_cache: dict[tuple[int, int], object] = {}
+
+
+def _counters(n: int):
+    """Zeroed int32 arrival counters for split K, one buffer per (device, stream).
+
+    The kernel's last arriving warp resets its counter, so the buffer is zero
+    again when the launch ends and the next launch on the same stream (which
+    runs after it) reuses it without a memset. Other streams get their own.
+    """
+    import cupy as cp
+
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    buf = _counter_cache.get(key)
+    if buf is None or buf.size < n:
+        buf = _counter_cache[key] = cp.zeros(max(n, 4096), dtype=cp.int32)
+    return buf
+
+
 def _launch_mma(A, weight: KbitWeight, C) -> None:
     import cupy as cp
 
@@ -333,7 +352,7 @@ def _launch_mma(A, weight: KbitWeight, C) -> None:
     splits = _splits(rt_n, kt_n)
     if splits > 1:
         workspace = cp.empty(splits * rt_n * m_tiles * 32 * 4, dtype=cp.float32)
-        counters = cp.zeros(rt_n, dtype=cp.int32)
+        counters = _counters(rt_n)
     else:
         workspace = cp.empty(1, dtype=cp.float32)
         counters = cp.empty(1, dtype=cp.int32)
