@@ -308,9 +308,19 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     return C
 
 
+# kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
+# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_c72562a_*.json
+# (benchmarks/derive_dispatch.py): mma won at M <= 64 on every layer, k and
+# dtype, and up to M = 96 on layers of 2**26 weights or more.
+_AUTO_MMA_MAX_M = 64
+_AUTO_MMA_MAX_M_LARGE = 96
+_LARGE_LAYER = 1 << 26
+
+
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
-    """The kernel ``kernel="auto"`` runs: from benchmarks/results (see README)."""
-    return "mma" if M <= _MMA_MAX_M else "dequant"
+    """The kernel ``kernel="auto"`` runs for these sizes ("mma" or "dequant")."""
+    limit = _AUTO_MMA_MAX_M_LARGE if N * K_dim >= _LARGE_LAYER else _AUTO_MMA_MAX_M
+    return "mma" if M <= limit else "dequant"
 
 
 def _splits(row_tiles: int, k_tiles: int) -> int:
