@@ -13,7 +13,8 @@ from kbit_cupy.gemm import choose_kernel
 
 worst = 1.0
 for path in sys.argv[1:]:
-    data = json.load(open(path))
+    with open(path) as f:
+        data = json.load(f)
     times = {}
     for r in data["records"]:
         times[(r["K_dim"], r["N"], r["M"], r["k"], r["dtype"], r["kernel"])] = r["time_us"]

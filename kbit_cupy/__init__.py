@@ -12,13 +12,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KbitWeight",
-    "kbit_gemm",
-    "quantize_weight",
-    "repack_for_gemm",
-    "unpack_from_gemm",
     "create_normal_float_codebook",
     "decode_absmax_e4m4",
     "dequantize_kbit",
     "encode_absmax_e4m4",
+    "kbit_gemm",
     "quantize_kbit",
+    "quantize_weight",
+    "repack_for_gemm",
+    "unpack_from_gemm",
 ]

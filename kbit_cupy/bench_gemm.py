@@ -48,7 +48,7 @@ def run(args) -> int:
             ops = {"cublas_fp16": base}
             for k, w in weights.items():
                 for kern in args.kernels:
-                    ops[f"k{k}_{kern}"] = (lambda w=w, kern=kern: kbit_gemm(A, w, out=outs, kernel=kern))
+                    ops[f"k{k}_{kern}"] = (lambda w=w, kern=kern, A=A, outs=outs: kbit_gemm(A, w, out=outs, kernel=kern))
             times = bench.time_ops(ops, reps=args.reps)
             t_base = times["cublas_fp16"]["median_us"]
             for name, r in times.items():

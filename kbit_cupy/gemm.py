@@ -226,7 +226,7 @@ def quantize_weight(W, k: int = 4, codebook=None, absmax_format: str = "e4m4") -
     ``W``: float16 / bfloat16 / float32, NumPy or CuPy; ``K_dim % 32 == 0``.
     The result lives in ``W``'s module. See ``quantize_kbit`` for the rest.
     """
-    xp, W = as_module_array(W, "W")
+    _, W = as_module_array(W, "W")
     if W.ndim != 2:
         raise ValueError(f"W must be 2-D [N, K_dim], got shape {W.shape}")
     N, K_dim = W.shape
