@@ -29,7 +29,8 @@ BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
 KERNELS = ("auto", "mma", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
-_THREADS = 128  # 4 warps, one 16-row tile each
+_THREADS = 128  # 4 warps
+_ROW_TILES_PER_WARP = {1: 1, 2: 1, 4: 2, 8: 2}  # kRowTilesPerWarp in kernels_src/gemm_mma.cu
 _CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
 
 
@@ -359,7 +360,9 @@ def _launch_mma(A, weight: KbitWeight, C) -> None:
     tiles, scales = weight._tiles
     kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name, m_tiles)
     rt_n, kt_n = _tile_counts(N, K_dim)
-    splits = _splits(rt_n, kt_n)
+    per_warp = _ROW_TILES_PER_WARP[m_tiles]
+    units = math.ceil(rt_n / per_warp)  # warps along N
+    splits = _splits(units, kt_n)
     if splits > 1:
         workspace = cp.empty(splits * rt_n * m_tiles * 32 * 4, dtype=cp.float32)
         counters = _counters(rt_n)
@@ -367,7 +370,7 @@ def _launch_mma(A, weight: KbitWeight, C) -> None:
         workspace = cp.empty(1, dtype=cp.float32)
         counters = cp.empty(1, dtype=cp.int32)
     warps = _THREADS // 32
-    grid = (math.ceil(rt_n / warps), splits)
+    grid = (math.ceil(units / warps), splits)
     shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # double-buffered activations
     if shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
         kern.max_dynamic_shared_size_bytes = shared

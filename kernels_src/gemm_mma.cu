@@ -94,12 +94,17 @@ template <> struct ScaleWord<__half> {
   static constexpr int kBytes = 8;
 };
 
+// Row tiles per warp: with many n8 tiles the activation fragments (shared
+// memory reads) dominate, so a warp reuses each one for two row tiles.
+template <int M_TILES> constexpr int kRowTilesPerWarp = M_TILES >= 4 ? 2 : 1;
+
 template <int K, typename T, typename TScale, int M_TILES>
 __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int splits,
     float* __restrict__ workspace, int* __restrict__ counters) {
+  constexpr int RPW = kRowTilesPerWarp<M_TILES>;
   // E4M4 code -> (scale, scale) in T, built once per CTA.
   __shared__ unsigned scale_pair[256];
   if constexpr (sizeof(TScale) == 1) {
@@ -112,12 +117,17 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
 
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int rt_raw = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int first_rt = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * RPW;
   const int split = blockIdx.y;
-  // Warps past the last row tile redo the last tile (uniform control flow:
-  // the barriers and shuffles see every warp and lane) and store nothing.
-  const bool active = rt_raw < row_tiles;
-  const int rt = active ? rt_raw : row_tiles - 1;
+  // Row tiles past the last one are redone as the last one (uniform control
+  // flow: barriers and shuffles see every warp and lane) and store nothing.
+  int rt[RPW];
+  bool active[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    active[r] = first_rt + r < row_tiles;
+    rt[r] = active[r] ? first_rt + r : row_tiles - 1;
+  }
   const int kt_per = (k_tiles + splits - 1) / splits;
   const int kt0 = split * kt_per, kt1 = min(k_tiles, kt0 + kt_per);
 
@@ -128,24 +138,32 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
   const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
 
-  float acc[M_TILES][4];
+  float acc[RPW][M_TILES][4];
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
+  for (int r = 0; r < RPW; ++r)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
 
   // The next tile's index words and scale words load while this one computes.
   using RawScale = typename ScaleWord<TScale>::Raw;
-  unsigned w_next[4 * K];
-  RawScale raw_next;
+  unsigned w_next[RPW][4 * K];
+  RawScale raw_next[RPW];
   auto load_tile = [&](int kt) {
-    const long long tile = (long long)rt * k_tiles + kt;
 #pragma unroll
-    for (int q = 0; q < K; ++q) {
-      const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
-      w_next[4 * q] = v.x; w_next[4 * q + 1] = v.y; w_next[4 * q + 2] = v.z; w_next[4 * q + 3] = v.w;
+    for (int r = 0; r < RPW; ++r) {
+      const long long tile = (long long)rt[r] * k_tiles + kt;
+#pragma unroll
+      for (int q = 0; q < K; ++q) {
+        const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
+        w_next[r][4 * q] = v.x;
+        w_next[r][4 * q + 1] = v.y;
+        w_next[r][4 * q + 2] = v.z;
+        w_next[r][4 * q + 3] = v.w;
+      }
+      raw_next[r] = __ldg(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane);
     }
-    raw_next = __ldg(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane);
   };
   // Activations: the CTA stages A[0 .. 8*M_TILES) x [256 columns of tile kt]
   // in shared memory, double buffered with cp.async (rows past M and columns
@@ -182,118 +200,122 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();  // tile kt's activations are in x_stage[buf]
-    unsigned w[4 * K];
+    unsigned w[RPW][4 * K];
+    // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
+    unsigned sw_lo[RPW][2 * ScaleWord<TScale>::kBytes / 4], sw_hi[RPW][2 * ScaleWord<TScale>::kBytes / 4];
 #pragma unroll
-    for (int i = 0; i < 4 * K; ++i) w[i] = w_next[i];
-    const RawScale raw = raw_next;
-    if (kt + 1 < kt1) load_tile(kt + 1);
-    // Scales of rows g and g + 8 for blocks 0..7, as (s, s) pairs in T.
-    unsigned s_lo[8], s_hi[8];
-    if constexpr (sizeof(TScale) == 1) {
+    for (int r = 0; r < RPW; ++r) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const unsigned lo = __shfl_sync(kFullMask, raw, 2 * g + half);
-        const unsigned hi = __shfl_sync(kFullMask, raw, 2 * g + 16 + half);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          s_lo[4 * half + b] = scale_pair[(lo >> (8 * b)) & 0xffu];
-          s_hi[4 * half + b] = scale_pair[(hi >> (8 * b)) & 0xffu];
-        }
-      }
-    } else {
+      for (int i = 0; i < 4 * K; ++i) w[r][i] = w_next[r][i];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const unsigned lo0 = __shfl_sync(kFullMask, raw.x, 2 * g + half);
-        const unsigned lo1 = __shfl_sync(kFullMask, raw.y, 2 * g + half);
-        const unsigned hi0 = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
-        const unsigned hi1 = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const int sh = 16 * (b & 1);
-          s_lo[4 * half + b] = fp16_scale_pair<T>(((b < 2) ? lo0 : lo1) >> sh);
-          s_hi[4 * half + b] = fp16_scale_pair<T>(((b < 2) ? hi0 : hi1) >> sh);
+        if constexpr (sizeof(TScale) == 1) {
+          sw_lo[r][half] = __shfl_sync(kFullMask, raw_next[r], 2 * g + half);
+          sw_hi[r][half] = __shfl_sync(kFullMask, raw_next[r], 2 * g + 16 + half);
+        } else {
+          sw_lo[r][2 * half] = __shfl_sync(kFullMask, raw_next[r].x, 2 * g + half);
+          sw_lo[r][2 * half + 1] = __shfl_sync(kFullMask, raw_next[r].y, 2 * g + half);
+          sw_hi[r][2 * half] = __shfl_sync(kFullMask, raw_next[r].x, 2 * g + 16 + half);
+          sw_hi[r][2 * half + 1] = __shfl_sync(kFullMask, raw_next[r].y, 2 * g + 16 + half);
         }
       }
     }
+    if (kt + 1 < kt1) load_tile(kt + 1);
 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      // Activations: row m = 8*mt + g, columns 8t .. 8t+7 of block j.
-      uint4 x[M_TILES];
+      // Weights of block j: 8 per row half, decoded to T, times the block's scale.
+      unsigned wp[RPW][2][4];  // [r][h][pair]: columns (8t + 2p, +1) of row g + 8h
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
-        x[mt] = (mt * 8 + g < M)
-                    ? x_stage[buf * kStageChunks + (mt * 8 + g) * 32 + ((4 * j + t) ^ ((g & 1) << 2))]
-                    : make_uint4(0u, 0u, 0u, 0u);
-      // Weights: 8 per row half, decoded to T, times the block's scale.
-      unsigned wp[2][4];  // [h][pair]: columns (8t + 2p, 8t + 2p + 1) of row g + 8h
+      for (int r = 0; r < RPW; ++r) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const int f = 16 * j + 8 * h + 2 * p;
-          unsigned pair;
-          if constexpr (K == 2) {
-            pair = __shfl_sync(kFullMask, cb_pair, field_at<K>(w, f * K));
+        for (int h = 0; h < 2; ++h) {
+          unsigned sp;  // (scale, scale) of row g + 8h, block j
+          const unsigned* sw = h ? sw_hi[r] : sw_lo[r];
+          if constexpr (sizeof(TScale) == 1) {
+            sp = scale_pair[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
           } else {
-            const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w, f * K));
-            const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w, (f + 1) * K));
-            pair = __byte_perm(e0, e1, 0x5410);
+            sp = fp16_scale_pair<T>(sw[j >> 1] >> (16 * (j & 1)));
           }
-          wp[h][p] = Mma<T>::mul2(pair, h ? s_hi[j] : s_lo[j]);
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            const int f = 16 * j + 8 * h + 2 * p;
+            unsigned pair;
+            if constexpr (K == 2) {
+              pair = __shfl_sync(kFullMask, cb_pair, field_at<K>(w[r], f * K));
+            } else {
+              const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w[r], f * K));
+              const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w[r], (f + 1) * K));
+              pair = __byte_perm(e0, e1, 0x5410);
+            }
+            wp[r][h][p] = Mma<T>::mul2(pair, sp);
+          }
         }
       }
-      // Slab 0: columns 8t+0..3, slab 1: 8t+4..7 (k-slots 2t,2t+1 | 2t+8,2t+9).
+      // Activations: row m = 8*mt + g, columns 8t .. 8t+7 of block j. Slab 0
+      // is columns 8t+0..3, slab 1 is 8t+4..7 (k-slots 2t,2t+1 | 2t+8,2t+9).
 #pragma unroll
-      for (int slab = 0; slab < 2; ++slab) {
-        const unsigned a[4] = {wp[0][2 * slab], wp[1][2 * slab], wp[0][2 * slab + 1],
-                               wp[1][2 * slab + 1]};
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        const uint4 x =
+            (mt * 8 + g < M)
+                ? x_stage[buf * kStageChunks + (mt * 8 + g) * 32 + ((4 * j + t) ^ ((g & 1) << 2))]
+                : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          const unsigned b0 = slab ? x[mt].z : x[mt].x;
-          const unsigned b1 = slab ? x[mt].w : x[mt].y;
-          Mma<T>::run(acc[mt], a, b0, b1);
+        for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+          for (int slab = 0; slab < 2; ++slab) {
+            const unsigned a[4] = {wp[r][0][2 * slab], wp[r][1][2 * slab], wp[r][0][2 * slab + 1],
+                                   wp[r][1][2 * slab + 1]};
+            Mma<T>::run(acc[r][mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
+          }
         }
       }
     }
     __syncthreads();  // everyone is done with x_stage[buf] before it is refilled
   }
-  if (!active) return;
 
-  // acc[mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m).
-  if (splits > 1) {
-    float* mine = workspace + (((long long)split * row_tiles + rt) * M_TILES * 32 + lane) * 4;
+  // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile rt[r].
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-      reinterpret_cast<float4*>(mine)[mt * 32] =
-          make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-    __threadfence();
-    int arrived = 0;
-    if (lane == 0) arrived = atomicAdd(counters + rt, 1);
-    arrived = __shfl_sync(kFullMask, arrived, 0);
-    if (arrived != splits - 1) return;
-    __threadfence();
+  for (int r = 0; r < RPW; ++r) {
+    if (!active[r]) continue;  // warp-uniform
+    if (splits > 1) {
+      float* mine = workspace + (((long long)split * row_tiles + rt[r]) * M_TILES * 32 + lane) * 4;
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
+      for (int mt = 0; mt < M_TILES; ++mt)
+        reinterpret_cast<float4*>(mine)[mt * 32] =
+            make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
+      __threadfence();
+      int arrived = 0;
+      if (lane == 0) arrived = atomicAdd(counters + rt[r], 1);
+      arrived = __shfl_sync(kFullMask, arrived, 0);
+      if (arrived != splits - 1) continue;  // another split finishes this tile
+      __threadfence();
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
-    for (int s = 0; s < splits; ++s) {  // fixed order: deterministic
-      const float* part = workspace + (((long long)s * row_tiles + rt) * M_TILES * 32 + lane) * 4;
+      for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(part) + mt * 32);
-        acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+        for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
+      for (int s = 0; s < splits; ++s) {  // fixed order: deterministic
+        const float* part =
+            workspace + (((long long)s * row_tiles + rt[r]) * M_TILES * 32 + lane) * 4;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          const float4 v = __ldcg(reinterpret_cast<const float4*>(part) + mt * 32);
+          acc[r][mt][0] += v.x;
+          acc[r][mt][1] += v.y;
+          acc[r][mt][2] += v.z;
+          acc[r][mt][3] += v.w;
+        }
       }
+      if (lane == 0) counters[rt[r]] = 0;  // ready for the next call
     }
-    if (lane == 0) counters[rt] = 0;  // ready for the next call
-  }
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt) {
+    for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int n = rt * 16 + g + 8 * (i >> 1);
-      const int m = mt * 8 + 2 * t + (i & 1);
-      if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[mt][i]);
+      for (int i = 0; i < 4; ++i) {
+        const int n = rt[r] * 16 + g + 8 * (i >> 1);
+        const int m = mt * 8 + 2 * t + (i & 1);
+        if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[r][mt][i]);
+      }
     }
   }
 }
