@@ -98,7 +98,8 @@ def all_variants() -> list[Variant]:
                 out.append(Variant("dequantize", (k, dtype, scale)))
                 if dtype != "float32":
                     for m_tiles in GEMM_M_TILES:
-                        out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles)))
+                        for rpw in (1, 2) if m_tiles >= 4 else (1,):
+                            out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, rpw)))
     return out
 
 

@@ -94,17 +94,15 @@ template <> struct ScaleWord<__half> {
   static constexpr int kBytes = 8;
 };
 
-// Row tiles per warp: with many n8 tiles the activation fragments (shared
-// memory reads) dominate, so a warp reuses each one for two row tiles.
-template <int M_TILES> constexpr int kRowTilesPerWarp = M_TILES >= 4 ? 2 : 1;
-
-template <int K, typename T, typename TScale, int M_TILES>
+// RPW: row tiles per warp. With many n8 tiles the activation fragments
+// (shared-memory reads) dominate, so on layers with enough row tiles a warp
+// reuses each one for two row tiles (gemm.py chooses).
+template <int K, typename T, typename TScale, int M_TILES, int RPW>
 __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int splits,
     float* __restrict__ workspace, int* __restrict__ counters) {
-  constexpr int RPW = kRowTilesPerWarp<M_TILES>;
   // E4M4 code -> (scale, scale) in T, built once per CTA.
   __shared__ unsigned scale_pair[256];
   if constexpr (sizeof(TScale) == 1) {
