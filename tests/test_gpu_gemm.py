@@ -42,7 +42,8 @@ def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_small_sweep(kernel, dtype, k):
     for M, N, K_dim in [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 64, 288),
-                        (8, 4096, 256), (1, 127, 4096)]:
+                        (8, 4096, 256), (1, 127, 4096),
+                        (33, 8449, 256), (64, 8470, 96)]:  # two row tiles per warp, odd count
         run_case(M, N, K_dim, k, dtype, kernel)
 
 
