@@ -309,11 +309,11 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
-# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_c72562a_*.json
+# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_4606482_*.json
 # (benchmarks/derive_dispatch.py): mma won at M <= 64 on every layer, k and
-# dtype, and up to M = 96 on layers of 2**26 weights or more.
+# dtype, and up to M = 96..128 on layers of 2**26 weights or more.
 _AUTO_MMA_MAX_M = 64
-_AUTO_MMA_MAX_M_LARGE = 96
+_AUTO_MMA_MAX_M_LARGE = 128
 _LARGE_LAYER = 1 << 26
 
 
