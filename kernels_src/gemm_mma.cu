@@ -246,9 +246,7 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
           } else {
             sp = fp16_scale_pair<T>(sw[j >> 1] >> (16 * (j & 1)));
           }
-          if (K == 4 && h == 0) {
-            // Half the k=4 weights (rows g) decode on the integer pipe, half
-            // (rows g + 8) by shuffles, so neither pipe alone limits.
+          if constexpr (K == 4) {
             // The 8 indices of (block j, row g + 8h) are the nibbles of one
             // word. byte_perm picks table bytes by a nibble's low 3 bits;
             // a second byte_perm takes the upper table's byte where bit 3 is set.
