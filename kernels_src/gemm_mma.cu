@@ -135,17 +135,6 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // by two neighbouring fields gives a pair of weights.
   const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
   const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
-  // k=4: the codebook as byte tables for byte_perm (low and high bytes of
-  // entries 4i..4i+3 in lo_tab[i] / hi_tab[i]): decoding uses no shuffles.
-  unsigned lo_tab[4] = {0, 0, 0, 0}, hi_tab[4] = {0, 0, 0, 0};
-  if constexpr (K == 4) {
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const unsigned bits = Mma<T>::to_bits(codebook[e]);
-      lo_tab[e >> 2] |= (bits & 0xffu) << (8 * (e & 3));
-      hi_tab[e >> 2] |= (bits >> 8) << (8 * (e & 3));
-    }
-  }
 
   float acc[RPW][M_TILES][4];
 #pragma unroll
@@ -245,26 +234,6 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
             sp = scale_pair[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
           } else {
             sp = fp16_scale_pair<T>(sw[j >> 1] >> (16 * (j & 1)));
-          }
-          if constexpr (K == 4) {
-            // The 8 indices of (block j, row g + 8h) are the nibbles of one
-            // word. byte_perm picks table bytes by a nibble's low 3 bits;
-            // a second byte_perm takes the upper table's byte where bit 3 is set.
-            const unsigned word = w[r][2 * j + h];
-            const unsigned sel_all = word & 0x77777777u;
-            const unsigned pick_all = ((word >> 1) & 0x44444444u) | 0x32103210u;
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-              const unsigned sel = q ? sel_all >> 16 : sel_all;
-              const unsigned pick = q ? pick_all >> 16 : pick_all;
-              const unsigned lo = __byte_perm(__byte_perm(lo_tab[0], lo_tab[1], sel),
-                                              __byte_perm(lo_tab[2], lo_tab[3], sel), pick);
-              const unsigned hi = __byte_perm(__byte_perm(hi_tab[0], hi_tab[1], sel),
-                                              __byte_perm(hi_tab[2], hi_tab[3], sel), pick);
-              wp[r][h][2 * q] = Mma<T>::mul2(__byte_perm(lo, hi, 0x5140), sp);
-              wp[r][h][2 * q + 1] = Mma<T>::mul2(__byte_perm(lo, hi, 0x7362), sp);
-            }
-            continue;
           }
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
