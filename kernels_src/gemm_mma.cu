@@ -98,7 +98,7 @@ template <> struct ScaleWord<__half> {
 // (shared-memory reads) dominate, so on layers with enough row tiles a warp
 // reuses each one for two row tiles (gemm.py chooses).
 template <int K, typename T, typename TScale, int M_TILES, int RPW>
-__global__ void __launch_bounds__(128, (M_TILES == 1 && K <= 4) ? 6 : 1) kbit_gemm_mma(
+__global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int splits,
