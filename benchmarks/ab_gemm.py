@@ -34,13 +34,14 @@ for i in range(0, len(cases), 4):
     kern_a = cp.RawModule(code=src_a, options=_jit.compile_options(),
                           name_expressions=[name]).get_function(name)
 
-    def run_with(kern):
+    def run_with(kern, key=key, A=A, w=w, out=out, kern_b=kern_b):
         _jit._kernels[key] = kern
         kc.kbit_gemm(A, w, out=out, kernel="mma")
         _jit._kernels[key] = kern_b
 
     base, _ = bench.cublas_fp16_matmul_op(M, N, K_dim)
-    res = bench.time_ops({"cublas": base, "A": lambda: run_with(kern_a), "B": lambda: run_with(kern_b)},
+    res = bench.time_ops({"cublas": base, "A": lambda ka=kern_a, r=run_with: r(ka),
+                          "B": lambda kb=kern_b, r=run_with: r(kb)},
                          reps=30)
     t = {n: r["median_us"] for n, r in res.items()}
     print(f"{K_dim}x{N} M={M} k={k}: cublas {t['cublas']:.1f} us  A {t['A']:.1f} us "

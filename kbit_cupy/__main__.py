@@ -156,11 +156,24 @@ def cmd_bench_gemm(args) -> int:
     from ._arrays import gpu_available
 
     if not gpu_available():
-        print("bench-gemm needs a CUDA GPU; none found.", file=sys.stderr)
+        print("bench needs a CUDA GPU; none found (python -m kbit_cupy plot draws committed "
+              "results without one).", file=sys.stderr)
         return 1
+    if args.plot and not args.out:
+        print("--plot needs --out PREFIX (the PNGs are written next to the JSON)", file=sys.stderr)
+        return 2
     from .bench_gemm import run
 
     return run(args)
+
+
+def cmd_plot(args) -> int:
+    """Speedup and roofline PNGs from bench results (no GPU needed)."""
+    from .plots import plot_results
+
+    for path in plot_results(args.results, args.out_dir):
+        print(f"wrote {path}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -183,15 +196,22 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_bench_format)
     from .bench_gemm import DEFAULT_M, DEFAULT_SHAPES
 
-    p = sub.add_parser("bench-gemm", help=cmd_bench_gemm.__doc__)
-    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="layers as K_dimxN")
-    p.add_argument("--m", nargs="+", type=int, default=DEFAULT_M)
-    p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
-    p.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "dequant"])
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--out", default=None, help="path prefix for .json and .md results")
-    p.set_defaults(func=cmd_bench_gemm)
+    for name in ("bench", "bench-gemm"):
+        p = sub.add_parser(name, help=cmd_bench_gemm.__doc__)
+        p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="layers as K_dimxN")
+        p.add_argument("--m", nargs="+", type=int, default=DEFAULT_M)
+        p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
+        p.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "dequant"])
+        p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+        p.add_argument("--reps", type=int, default=20)
+        p.add_argument("--out", default=None, help="path prefix for .json and .md results")
+        p.add_argument("--plot", action="store_true",
+                       help="also write PREFIX_speedup.png and PREFIX_roofline.png (needs --out, matplotlib)")
+        p.set_defaults(func=cmd_bench_gemm)
+    p = sub.add_parser("plot", help=cmd_plot.__doc__)
+    p.add_argument("results", nargs="+", help="JSON files written by bench --out")
+    p.add_argument("--out-dir", default=".", help="where the PNGs go")
+    p.set_defaults(func=cmd_plot)
     args = parser.parse_args(argv)
     return args.func(args)
 

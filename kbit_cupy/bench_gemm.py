@@ -11,14 +11,17 @@ and TFLOP/s.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from . import bench
 from ._arrays import BFLOAT16
 from .gemm import kbit_gemm, quantize_weight
 
-DEFAULT_SHAPES = ["4096x6144", "4096x28672", "8192x57344", "2048x768"]
-DEFAULT_M = [1, 16, 32, 64, 128, 256, 1024]
+DEFAULT_SHAPES = ["4096x6144", "4096x28672", "8192x57344", "2048x768"]  # TARGETS.md layers
+DEFAULT_M = [1, 4, 16, 32, 64, 128, 1024]
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -79,4 +82,10 @@ def run(args) -> int:
                                      "speedup", "GB_s", "copy_frac", "TFLOP_s"],
                             title="kbit_gemm vs cuBLAS fp16")
         print(f"wrote {args.out}.json and {args.out}.md")
+        if getattr(args, "plot", False):
+            from .plots import plot_roofline, plot_speedup
+
+            recs = json.loads(Path(f"{args.out}.json").read_text())["records"]
+            for fn, suffix in ((plot_speedup, "speedup"), (plot_roofline, "roofline")):
+                print(f"wrote {fn(recs, meta, f'{args.out}_{suffix}.png')}")
     return 0
