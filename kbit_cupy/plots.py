@@ -24,6 +24,18 @@ def _pyplot():
     return plt
 
 
+def _where(meta: dict) -> str:
+    return f"{meta.get('gpu', '?')}, commit {meta.get('commit', '?')}"
+
+
+def _save(plt, fig, path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def load(path) -> tuple[list[dict], dict]:
     """(records, meta) of a results JSON file."""
     data = json.loads(Path(path).read_text())
@@ -60,12 +72,8 @@ def plot_speedup(records: list[dict], meta: dict, path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("speedup vs cuBLAS fp16")
     axes[0][-1].legend()
-    fig.suptitle(f"kbit_gemm, best kernel per point - {meta.get('gpu', '?')}, commit {meta.get('commit', '?')}")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    fig.suptitle(f"kbit_gemm, best kernel per point - {_where(meta)}")
+    return _save(plt, fig, path)
 
 
 def plot_roofline(records: list[dict], meta: dict, path) -> Path:
@@ -93,12 +101,8 @@ def plot_roofline(records: list[dict], meta: dict, path) -> Path:
     ax.set_ylabel("TFLOP/s")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    ax.set_title(f"roofline - {meta.get('gpu', '?')}, commit {meta.get('commit', '?')}")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    ax.set_title(f"roofline - {_where(meta)}")
+    return _save(plt, fig, path)
 
 
 def plot_results(paths, out_dir) -> list[Path]:
