@@ -93,3 +93,26 @@ def test_bad_input_errors():
         kbit_gemm(np.ones((2, 64), np.float16), "w")
     with pytest.raises(ValueError, match="multiple of 32"):
         repack_for_gemm(w.packed, w.absmax, 4, 4, 60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(2, 5),
+    M=st.integers(0, 40),
+    N=st.integers(1, 40),
+    kblocks=st.integers(1, 10),
+    dtype=st.sampled_from([np.float16, BFLOAT16]),
+    fmt=st.sampled_from(["e4m4", "fp16"]),
+    seed=st.integers(0, 2**31),
+)
+def test_numpy_gemm_property(k, M, N, kblocks, dtype, fmt, seed):
+    # FORMAT.md section 7 on the NumPy path for any shape; same bits on a second call.
+    rng = np.random.default_rng(seed)
+    K_dim = 32 * kblocks
+    w = quantize_weight(rng.standard_normal((N, K_dim)).astype(np.float32), k=k, absmax_format=fmt)
+    A = rng.standard_normal((M, K_dim)).astype(dtype)
+    C = kbit_gemm(A, w)
+    assert C.shape == (M, N) and C.dtype == np.dtype(dtype)
+    if M:
+        assert rel_error(C, A, w) <= TOL[np.dtype(dtype)]
+        np.testing.assert_array_equal(kbit_gemm(A, w).view(np.uint16), C.view(np.uint16))
