@@ -110,7 +110,7 @@ def cmd_compile_check(args) -> int:
 
 
 def cmd_info(args) -> int:
-    """GPU, driver, CuPy and NVRTC versions, kernel cache location and size."""
+    """GPU, driver, CuPy and NVRTC versions, kernel cache location and size, compiled variants."""
     from . import _jit
     from ._arrays import cupy_or_none, gpu_available
 
@@ -129,6 +129,16 @@ def cmd_info(args) -> int:
     size = sum(f.stat().st_size for f in files if f.is_file())
     print(f"kernel cache: {cache} ({len(files)} files, {size / 1e6:.1f} MB)")
     print(f"kernel variants the package can launch: {len(_jit.all_variants())}")
+    compiled = _jit.compiled_variants()
+    by_group: dict[tuple[str, str], int] = {}
+    for arch, name in compiled:
+        family = name.split("<", 1)[0].removeprefix("kbit::kbit_")
+        by_group[(arch, family)] = by_group.get((arch, family), 0) + 1
+    summary = ", ".join(f"{fam} {n} ({arch})" for (arch, fam), n in sorted(by_group.items()))
+    print(f"variants compiled into the cache: {len(compiled)}" + (f": {summary}" if summary else ""))
+    if getattr(args, "verbose", False):
+        for arch, name in compiled:
+            print(f"  {arch}  {name}")
     if not gpu_available():
         print("GPU: none found (the NumPy path works; kernels need a CUDA GPU)")
         return 0
@@ -188,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", action="append", help="sm_80, sm_90a, ... (repeatable)")
     p.set_defaults(func=cmd_compile_check)
     p = sub.add_parser("info", help=cmd_info.__doc__)
+    p.add_argument("--verbose", "-v", action="store_true", help="list every compiled variant")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("bench-format", help=cmd_bench_format.__doc__)
     p.add_argument("--elements", type=int, default=1 << 28)

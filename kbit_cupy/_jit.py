@@ -160,12 +160,45 @@ def get_kernel(family: str, *template_args):
         )
         kernel = module.get_function(name)
         _kernels[key] = kernel
+        _note_compiled(name)
     return kernel
 
 
 def cache_dir() -> Path:
     """CuPy's on-disk kernel cache directory."""
     return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+_INDEX_NAME = "kbit_cupy_variants.txt"  # in cache_dir(): one "arch<TAB>kernel name" line per compile
+
+
+def _note_compiled(name: str, arch: str | None = None) -> None:
+    """Record a compiled variant next to CuPy's cache (whose file names are hashes).
+
+    ``arch`` defaults to the current device's. Append-only lines, so concurrent
+    processes cannot corrupt each other's entries; never raises (the index only
+    feeds ``python -m kbit_cupy info``).
+    """
+    try:
+        if arch is None:
+            import cupy
+
+            arch = f"sm_{cupy.cuda.Device().compute_capability}"
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        with open(cache_dir() / _INDEX_NAME, "a", encoding="utf-8") as f:
+            f.write(f"{arch}\t{name}\n")
+    except Exception:  # noqa: BLE001, S110 - bookkeeping must never break a launch
+        pass
+
+
+def compiled_variants() -> list[tuple[str, str]]:
+    """Sorted unique (arch, kernel name) pairs this package has compiled into the cache."""
+    try:
+        text = (cache_dir() / _INDEX_NAME).read_text(encoding="utf-8")
+    except OSError:
+        return []
+    pairs = {tuple(line.split("\t", 1)) for line in text.splitlines() if "\t" in line}
+    return sorted(pairs)
 
 
 # --------------------------------------------------------------------------

@@ -38,3 +38,24 @@ def test_headers_are_inlined_into_the_hashed_source():
     source = _jit.render_source("quantize")
     assert '#include "common.cuh"' not in source
     assert "e4m4_encode" in source
+
+
+def test_compiled_variant_index(tmp_path, monkeypatch, capsys):
+    # get_kernel records each compile next to CuPy's hashed cache files; info reads it.
+    from kbit_cupy import _jit
+    from kbit_cupy.__main__ import main
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    assert _jit.compiled_variants() == []
+    name = _jit.kernel_name("gemm_mma", 4, "float16", "uint8", 1, 1)
+    for _ in range(2):  # a second process compiling the same variant adds a duplicate line
+        _jit._note_compiled(name, "sm_90")
+    _jit._note_compiled(_jit.kernel_name("quantize", 2, "float32", "float16", True), "sm_80")
+    assert _jit.compiled_variants() == [
+        ("sm_80", "kbit::kbit_quantize<2, float, __half, true>"),
+        ("sm_90", "kbit::kbit_gemm_mma<4, __half, unsigned char, 1, 1>"),
+    ]
+    assert main(["info", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "variants compiled into the cache: 2: quantize 1 (sm_80), gemm_mma 1 (sm_90)" in out
+    assert "sm_90  kbit::kbit_gemm_mma<4, __half, unsigned char, 1, 1>" in out
