@@ -1,0 +1,105 @@
+"""The mma kernel's data flow, emulated in NumPy on the repacked tiles.
+
+kernels_src/gemm_mma.cu feeds mma.sync m16n8k16 from the tiles built by
+repack_for_gemm: lane 4g + t decodes fields 16j + 8h + c (block j, row g + 8h,
+column 8t + c) into the A fragment registers {a0: row g, slots 2t..2t+1;
+a1: row g+8; a2: row g, slots 2t+8..; a3: row g+8, slots 2t+8..} (the
+Turing-decomposition order, seeds' development record section 8.5) and
+takes B from one 16-byte activation read per block (columns 8t..8t+7 split
+over the two 16-wide slabs). This test rebuilds exactly those fragments on
+the CPU, multiplies them as the instruction defines, and checks the product
+against the float64 reference, so a layout or permutation error shows up
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kbit_cupy import quantize_weight, repack_for_gemm
+from kbit_cupy.format import E4M4_VALUES
+
+
+def lane_fields(tiles, rt, kt, k):
+    """[32 lanes, 128 fields] of indices, from the lane's bit string of 4k words."""
+    words = tiles[rt, kt].transpose(1, 0, 2).reshape(32, 4 * k)  # [lane, word]
+    bits = ((words[..., None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(32, -1)
+    fields = bits[:, : 128 * k].reshape(32, 128, k)
+    return (fields << np.arange(k)).sum(axis=-1)
+
+
+# (row, first k-slot) of A-fragment registers a0..a3 for lane (g, t): the kernel's order.
+KERNEL_ORDER = ((0, 0), (8, 0), (0, 8), (8, 8))
+SWAPPED_ORDER = ((0, 0), (0, 8), (8, 0), (8, 8))  # a1/a2 exchanged: the classic mistake
+
+
+def emulate(A, w, order=KERNEL_ORDER):
+    """C = A @ dequant(W).T computed the way gemm_mma.cu does (fp16 weights, wide accumulation).
+
+    ``order`` says where registers a0..a3 land in the 16x16 tile (row offset,
+    k-slot offset), i.e. the m16n8k16 fragment layout the kernel assumes.
+    """
+    N, K_dim = w.shape
+    k = w.k
+    tiles, scales = repack_for_gemm(w.packed, w.absmax, k, N, K_dim)
+    rt_n, kt_n = tiles.shape[:2]
+    M = A.shape[0]
+    Apad = np.zeros((8 * -(-M // 8), kt_n * 256), np.float64)
+    Apad[:M, :K_dim] = A.astype(np.float64)
+    cb16 = w.codebook.astype(np.float16)
+    out = np.zeros((Apad.shape[0], rt_n * 16))
+    for rt in range(rt_n):
+        for kt in range(kt_n):
+            f = lane_fields(tiles, rt, kt, k)
+            sc = scales[rt, kt]  # [16 rows, 8 blocks]
+            s16 = (E4M4_VALUES[sc] if sc.dtype == np.uint8 else sc.astype(np.float32)).astype(np.float16)
+            for j in range(8):
+                for slab in range(2):
+                    Afrag = np.zeros((16, 16))
+                    Bfrag = np.zeros((16, Apad.shape[0]))
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        # weight pairs p: columns 8t + 2p, 8t + 2p + 1 of block j, row g + 8h
+                        wp = {}
+                        for h in range(2):
+                            for p in range(4):
+                                c0 = f[lane, 16 * j + 8 * h + 2 * p]
+                                c1 = f[lane, 16 * j + 8 * h + 2 * p + 1]
+                                s = s16[g + 8 * h, j]
+                                wp[h, p] = (cb16[c0] * s, cb16[c1] * s)  # HMUL2: fp16 products
+                        regs = [wp[0, 2 * slab], wp[1, 2 * slab], wp[0, 2 * slab + 1], wp[1, 2 * slab + 1]]
+                        for reg, (drow, dslot) in zip(regs, order):
+                            Afrag[g + drow, 2 * t + dslot], Afrag[g + drow, 2 * t + dslot + 1] = reg
+                        for mt in range(Apad.shape[0] // 8):
+                            m = 8 * mt + g
+                            col = kt * 256 + 32 * j + 8 * t + 4 * slab
+                            x = Apad[m, col : col + 4]  # b0 = x[0:2] (slots 2t..), b1 = x[2:4] (2t+8..)
+                            Bfrag[2 * t, m], Bfrag[2 * t + 1, m] = x[0], x[1]
+                            Bfrag[2 * t + 8, m], Bfrag[2 * t + 9, m] = x[2], x[3]
+                    out[:, rt * 16 : rt * 16 + 16] += (Afrag @ Bfrag).T
+    return out[:M, :N]
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
+def test_emulated_kernel_matches_reference(k, fmt):
+    rng = np.random.default_rng(k)
+    N, K_dim, M = 20, 288, 3  # two row tiles (one partial), two K tiles (one partial)
+    w = quantize_weight(rng.standard_normal((N, K_dim)).astype(np.float32), k=k, absmax_format=fmt)
+    A = rng.standard_normal((M, K_dim)).astype(np.float16)
+    ref = A.astype(np.float64) @ w.dequantize(np.float32).astype(np.float64).T
+    got = emulate(A, w)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 1e-3, err  # fp16 effective weights: about one ulp each (FORMAT.md section 7)
+
+
+def test_emulation_detects_a_swapped_fragment_order():
+    # The emulation has teeth: exchanging a1 and a2 (rows g+8 vs k-slots 2t+8)
+    # loses the structure and the product is far off.
+    rng = np.random.default_rng(9)
+    w = quantize_weight(rng.standard_normal((16, 256)).astype(np.float32), k=4)
+    A = rng.standard_normal((2, 256)).astype(np.float16)
+    ref = A.astype(np.float64) @ w.dequantize(np.float32).astype(np.float64).T
+    bad = emulate(A, w, order=SWAPPED_ORDER)
+    assert np.linalg.norm(bad - ref) / np.linalg.norm(ref) > 0.1
