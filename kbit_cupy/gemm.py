@@ -254,6 +254,11 @@ def _check_activations(A, weight: KbitWeight, out):
         where = "GPU" if is_device_array(weight.packed) else "host"
         raise TypeError(f"A and weight must live in the same place; the weight is on the {where} "
                         "(use weight.to_device() or pass a NumPy A)")
+    if xp is not np and A.device.id != weight.packed.device.id:
+        raise ValueError(
+            f"A is on GPU {A.device.id} but the weight on GPU {weight.packed.device.id}; "
+            "call weight.to_device() under the right cupy.cuda.Device"
+        )
     out_shape = A.shape[:-1] + (N,)
     if out is not None:
         if array_module(out) is not xp:
