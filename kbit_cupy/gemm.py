@@ -280,7 +280,13 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     kernel : ``"auto"``, ``"mma"`` (tensor-core fused kernel) or ``"dequant"``
         (dequantize to a scratch weight, then cuBLAS); ignored for NumPy A.
 
-    Returns ``C`` of shape ``[..., N]`` and A's dtype.
+    Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the
+    same GPU give the same bits on every call.
+
+    Raises TypeError (A not fp16/bf16, e.g. fp32: cast it; A and weight in
+    different places; ``out`` in another module; weight not a KbitWeight) and
+    ValueError (A's last dimension is not K_dim; ``out`` shape, dtype or
+    layout; unknown ``kernel``; A and weight on different GPUs).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
