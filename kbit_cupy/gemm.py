@@ -334,9 +334,14 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
     return "mma" if M <= limit else "dequant"
 
 
+# K splits aim at this many warps per SM in all (measured: 20 or 24 gain
+# nothing on the mma kernel, ab_src.py --set).
+_SPLIT_WARPS_PER_SM = 16
+
+
 def _splits(row_tiles: int, k_tiles: int) -> int:
-    """K splits so that every SM gets work: about 16 warps per SM in all."""
-    target = _sm_count() * 16
+    """K splits so that every SM gets work: about _SPLIT_WARPS_PER_SM warps per SM in all."""
+    target = _sm_count() * _SPLIT_WARPS_PER_SM
     s = max(1, min(k_tiles, math.ceil(target / row_tiles)))
     per = math.ceil(k_tiles / s)
     return math.ceil(k_tiles / per)  # no empty splits
@@ -385,7 +390,8 @@ def _launch_mma(A, weight: KbitWeight, C) -> None:
     warps = _THREADS // 32
     grid = (math.ceil(units / warps), splits)
     shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # double-buffered activations
-    if shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
+    # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
+    if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
         kern.max_dynamic_shared_size_bytes = shared
     kern(grid, (_THREADS,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
                               np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(splits),

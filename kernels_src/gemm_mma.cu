@@ -76,6 +76,17 @@ __device__ __forceinline__ unsigned field_at(const unsigned (&w)[4 * K], int off
   return __funnelshift_r(w[word], w[word + 1], shift);
 }
 
+// Byte offset in the pair table (entry = the 2K bits at `off`, 128 bytes per
+// entry, this lane's word): the string shifted so that those bits land at bit
+// 7, masked, or-ed with 4 * lane. Two ALU instructions.
+template <int K>
+__device__ __forceinline__ unsigned pair_offset(const unsigned (&w)[4 * K], int off,
+                                                unsigned lane4) {
+  constexpr unsigned kMask = ((1u << (2 * K)) - 1) << 7;
+  const unsigned bits = off >= 7 ? field_at<K>(w, off - 7) : w[0] << (7 - off);
+  return (bits & kMask) | lane4;
+}
+
 // An fp16 scale (low 16 bits of `bits`) as a (scale, scale) pair in T.
 template <typename T>
 __device__ __forceinline__ unsigned fp16_scale_pair(unsigned bits) {
@@ -103,17 +114,8 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int splits,
     float* __restrict__ workspace, int* __restrict__ counters) {
-  // E4M4 code -> (scale, scale) in T, built once per CTA.
-  __shared__ unsigned scale_pair[256];
-  if constexpr (sizeof(TScale) == 1) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-      unsigned h = Mma<T>::to_bits(e4m4_decode(i));
-      scale_pair[i] = h | (h << 16);
-    }
-  }
-  __syncthreads();
-
   const int lane = threadIdx.x & 31;
+  const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
   const int first_rt = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * RPW;
   const int split = blockIdx.y;
@@ -144,11 +146,17 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
 
-  // The next tile's index words and scale words load while this one computes.
+  // The next tile's index and scale words load while this one computes, into
+  // two register sets used in turn (the loop below is unrolled by two, so
+  // nothing is copied). M_TILES = 4 with two row tiles per warp copies
+  // instead: unrolling costs it 204 instead of 168 registers (two CTAs per SM
+  // instead of three, measured 8-10% slower at M = 32).
   using RawScale = typename ScaleWord<TScale>::Raw;
-  unsigned w_next[RPW][4 * K];
-  RawScale raw_next[RPW];
-  auto load_tile = [&](int kt) {
+  constexpr bool kCopy = M_TILES == 4 && RPW == 2;
+  constexpr int kSets = 2;
+  unsigned w_s[kSets][RPW][4 * K];
+  RawScale raw_s[kSets][RPW];
+  auto load_tile = [&](int kt, unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       const long long tile = (long long)rt[r] * k_tiles + kt;
@@ -186,11 +194,44 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   };
   if (kt0 < kt1) {
     load_x(kt0, 0);
-    load_tile(kt0);
+    load_tile(kt0, w_s[0], raw_s[0]);
   }
 
-  for (int kt = kt0; kt < kt1; ++kt) {
+  // The tables are built while the first loads are in flight; the barrier at
+  // the top of the loop orders these writes before any read.
+  // E4M4 code -> (scale, scale) in T, built once per CTA.
+  __shared__ unsigned scale_pair[256];
+  if constexpr (sizeof(TScale) == 1) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+      unsigned h = Mma<T>::to_bits(e4m4_decode(i));
+      scale_pair[i] = h | (h << 16);
+    }
+  }
+  // k=3, 4: a table of weight pairs, entry b = (codebook[b mod 2^K],
+  // codebook[b >> K]) in T, indexed by two neighbouring fields of a lane's
+  // index string (2K bits; for k=4 one byte). 32 copies, word 32b + l for lane
+  // l: every lane reads bank l, so one lookup per two weights costs one
+  // conflict-free shared-memory wavefront, against two shuffles, two shifts
+  // and a byte_perm through the lane-register table (k=5 would need 128 KB).
+  constexpr bool kPairTable = K == 3 || K == 4;
+  constexpr int kPairs = 1 << (2 * K);
+  __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
+  if constexpr (kPairTable) {
+    for (int i = threadIdx.x; i < kPairs * 8; i += blockDim.x) {
+      const int b = i >> 3;
+      const unsigned v = Mma<T>::to_bits(codebook[b & ((1 << K) - 1)]) |
+                         (Mma<T>::to_bits(codebook[b >> K]) << 16);
+      pair_tab[i] = make_uint4(v, v, v, v);
+    }
+  }
+
+  // One K tile: weights and scale words in (w, raw), the next tile's loaded
+  // into (w_next, raw_next).
+  auto tile = [&](int kt, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
+                  unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
     const int buf = (kt - kt0) & 1;
+    const uint4* const x_even = x_stage + buf * kStageChunks + g * 32 + t + 4 * (g & 1);
+    const uint4* const x_odd = x_even - 8 * (g & 1);
     if (kt + 1 < kt1) {
       load_x(kt + 1, buf ^ 1);
       asm volatile("cp.async.wait_group 1;\n" ::);
@@ -198,27 +239,24 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();  // tile kt's activations are in x_stage[buf]
-    unsigned w[RPW][4 * K];
     // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
     unsigned sw_lo[RPW][2 * ScaleWord<TScale>::kBytes / 4], sw_hi[RPW][2 * ScaleWord<TScale>::kBytes / 4];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
 #pragma unroll
-      for (int i = 0; i < 4 * K; ++i) w[r][i] = w_next[r][i];
-#pragma unroll
       for (int half = 0; half < 2; ++half) {
         if constexpr (sizeof(TScale) == 1) {
-          sw_lo[r][half] = __shfl_sync(kFullMask, raw_next[r], 2 * g + half);
-          sw_hi[r][half] = __shfl_sync(kFullMask, raw_next[r], 2 * g + 16 + half);
+          sw_lo[r][half] = __shfl_sync(kFullMask, raw[r], 2 * g + half);
+          sw_hi[r][half] = __shfl_sync(kFullMask, raw[r], 2 * g + 16 + half);
         } else {
-          sw_lo[r][2 * half] = __shfl_sync(kFullMask, raw_next[r].x, 2 * g + half);
-          sw_lo[r][2 * half + 1] = __shfl_sync(kFullMask, raw_next[r].y, 2 * g + half);
-          sw_hi[r][2 * half] = __shfl_sync(kFullMask, raw_next[r].x, 2 * g + 16 + half);
-          sw_hi[r][2 * half + 1] = __shfl_sync(kFullMask, raw_next[r].y, 2 * g + 16 + half);
+          sw_lo[r][2 * half] = __shfl_sync(kFullMask, raw[r].x, 2 * g + half);
+          sw_lo[r][2 * half + 1] = __shfl_sync(kFullMask, raw[r].y, 2 * g + half);
+          sw_hi[r][2 * half] = __shfl_sync(kFullMask, raw[r].x, 2 * g + 16 + half);
+          sw_hi[r][2 * half + 1] = __shfl_sync(kFullMask, raw[r].y, 2 * g + 16 + half);
         }
       }
     }
-    if (kt + 1 < kt1) load_tile(kt + 1);
+    if (kt + 1 < kt1) load_tile(kt + 1, w_next, raw_next);
 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -241,6 +279,9 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
             unsigned pair;
             if constexpr (K == 2) {
               pair = __shfl_sync(kFullMask, cb_pair, field_at<K>(w[r], f * K));
+            } else if constexpr (kPairTable) {
+              pair = *reinterpret_cast<const unsigned*>(
+                  reinterpret_cast<const char*>(pair_tab) + pair_offset<K>(w[r], f * K, lane4));
             } else {
               const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w[r], f * K));
               const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w[r], (f + 1) * K));
@@ -254,10 +295,15 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
       // is columns 8t+0..3, slab 1 is 8t+4..7 (k-slots 2t,2t+1 | 2t+8,2t+9).
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
-        const uint4 x =
-            (mt * 8 + g < M)
-                ? x_stage[buf * kStageChunks + (mt * 8 + g) * 32 + ((4 * j + t) ^ ((g & 1) << 2))]
-                : make_uint4(0u, 0u, 0u, 0u);
+        // gemm.py picks the smallest M_TILES that holds M, so the first half
+        // of the n8 tiles is always full; of the rest, tiles wholly past M
+        // are skipped (warp-uniform) and a partial one reads zeros past M.
+        const bool full = 2 * mt < M_TILES;  // constant once unrolled
+        if (!full && mt * 8 >= M) continue;
+        // chunk (4j + t) ^ 4(g & 1) = 4j + t + (j even ? 4(g&1) : -4(g&1)): a
+        // per-thread pointer for even and odd j, the rest immediate offsets.
+        const uint4 x = (full || mt * 8 + g < M) ? (j & 1 ? x_odd : x_even)[mt * 256 + 4 * j]
+                                                  : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
 #pragma unroll
@@ -270,6 +316,24 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
       }
     }
     __syncthreads();  // everyone is done with x_stage[buf] before it is refilled
+  };
+  if constexpr (!kCopy) {
+    for (int kt = kt0; kt < kt1; kt += kSets) {
+#pragma unroll
+      for (int i = 0; i < kSets; ++i)
+        if (kt + i < kt1)
+          tile(kt + i, w_s[i], raw_s[i], w_s[(i + 1) % kSets], raw_s[(i + 1) % kSets]);
+    }
+  } else {
+    for (int kt = kt0; kt < kt1; ++kt) {
+      tile(kt, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int i = 0; i < 4 * K; ++i) w_s[0][r][i] = w_s[1][r][i];
+        raw_s[0][r] = raw_s[1][r];
+      }
+    }
   }
 
   // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile rt[r].

@@ -103,3 +103,20 @@ def test_emulation_detects_a_swapped_fragment_order():
     ref = A.astype(np.float64) @ w.dequantize(np.float32).astype(np.float64).T
     bad = emulate(A, w, order=SWAPPED_ORDER)
     assert np.linalg.norm(bad - ref) / np.linalg.norm(ref) > 0.1
+
+
+def test_e4m4_scale_pair_bits():
+    # gemm_mma.cu decodes an E4M4 code u without a table: the bits u << 6
+    # (fp16) or u << 3 (bf16) times 16 or 2**116. Check that arithmetic for
+    # all 256 codes (subnormal codes 1..15 included) against FORMAT.md section 3.
+    import ml_dtypes
+
+    u = np.arange(256, dtype=np.uint16)
+    half = (u << 6).view(np.float16) * np.float16(16)
+    np.testing.assert_array_equal(half, E4M4_VALUES.astype(np.float16))
+    bf16 = (u << 3).view(ml_dtypes.bfloat16) * ml_dtypes.bfloat16(2.0**116)
+    np.testing.assert_array_equal(bf16.astype(np.float32),
+                                  E4M4_VALUES.astype(ml_dtypes.bfloat16).astype(np.float32))
+    # the packed constants the kernel multiplies by
+    assert np.float16(16).view(np.uint16) == 0x4C00
+    assert ml_dtypes.bfloat16(2.0**116).view(np.uint16) == 0x7980

@@ -54,6 +54,41 @@ def test_scale_formats(fmt, dtype):
         run_case(M, 129, 512, 4, dtype, "mma", fmt=fmt)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 40])
+def test_every_e4m4_code(dtype, M):
+    """Row r of W has every block's absmax equal to E4M4 code r's value, so all
+    256 codes (the 15 subnormal ones included) reach the kernel's scale decode;
+    each row of W's products must match float64 on its own (a code decoded to zero or to
+    the wrong power of two fails its row, whatever the other rows do). The
+    reference rounds each effective weight to A's dtype as FORMAT.md section 7
+    allows: on rows with subnormal fp16 weights that rounding alone is far
+    above the matrix-wide bound."""
+    import cupy as cp
+
+    from kbit_cupy.format import decode_absmax_e4m4
+
+    rng = np.random.default_rng(5)
+    K_dim = 256
+    values = decode_absmax_e4m4(np.arange(256, dtype=np.uint8)).astype(np.float32)
+    W = rng.standard_normal((256, K_dim // 32, 32)).astype(np.float32)
+    W *= values[:, None, None] / np.abs(W).max(axis=2, keepdims=True)
+    W = W.reshape(256, K_dim)
+    w = quantize_weight(cp.asarray(W), k=4)
+    np.testing.assert_array_equal(cp.asnumpy(w.absmax).reshape(256, -1),
+                                  np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, 1))
+    A = rng.standard_normal((M, K_dim)).astype(np.dtype(dtype))
+    C = cp.asnumpy(kbit_gemm(cp.asarray(A), w, kernel="mma")).astype(np.float64)
+    eff = cp.asnumpy(w.dequantize(np.float32)).astype(np.dtype(dtype)).astype(np.float64)
+    ref = A.astype(np.float64) @ eff.T
+    assert not C[:, 0].any()  # code 0: the block is zero
+    # per row n of W: the error against the size of the terms summed (a norm of
+    # C's column could be near zero by cancellation, at M = 1 especially)
+    terms = np.sqrt((A.astype(np.float64) ** 2) @ (eff**2).T).sum(axis=0)
+    err = np.abs(C - ref).sum(axis=0)[1:] / terms[1:]
+    assert err.max() <= TOL[np.dtype(dtype)], (int(err.argmax()) + 1, float(err.max()))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
