@@ -320,17 +320,25 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
-# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_4606482_*.json
-# (benchmarks/derive_dispatch.py): mma won at M <= 64 on every layer, k and
-# dtype, and up to M = 96..128 on layers of 2**26 weights or more.
+# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_9f77673_*.json
+# (7 layers, M 1..1024, k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py):
+# mma won up to M = 128 on layers with N >= 28672 (many row tiles), up to
+# M = 96 on long-K layers (K_dim >= 14336) and up to M = 48..64 elsewhere.
 _AUTO_MMA_MAX_M = 64
-_AUTO_MMA_MAX_M_LARGE = 128
-_LARGE_LAYER = 1 << 26
+_AUTO_MMA_MAX_M_LONG_K = 96  # K_dim >= _LONG_K
+_AUTO_MMA_MAX_M_WIDE = 128  # N >= _WIDE_N
+_LONG_K = 8192
+_WIDE_N = 16384
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
     """The kernel ``kernel="auto"`` runs for these sizes ("mma" or "dequant")."""
-    limit = _AUTO_MMA_MAX_M_LARGE if N * K_dim >= _LARGE_LAYER else _AUTO_MMA_MAX_M
+    if N >= _WIDE_N:
+        limit = _AUTO_MMA_MAX_M_WIDE
+    elif K_dim >= _LONG_K:
+        limit = _AUTO_MMA_MAX_M_LONG_K
+    else:
+        limit = _AUTO_MMA_MAX_M
     return "mma" if M <= limit else "dequant"
 
 

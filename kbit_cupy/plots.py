@@ -59,8 +59,12 @@ def plot_speedup(records: list[dict], meta: dict, path) -> Path:
     plt = _pyplot()
     best = _best_by_point(records)
     layers = sorted({(k[0], k[1], k[2]) for k in best})
-    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.6), squeeze=False)
-    for ax, (K_dim, N, dtype) in zip(axes[0], layers):
+    cols = min(4, len(layers))
+    rows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(layers):]:
+        ax.set_visible(False)
+    for ax, (K_dim, N, dtype) in zip(axes.flat, layers):
         for k in sorted({key[3] for key in best if key[:3] == (K_dim, N, dtype) and key[3] != 16}):
             ms = sorted(key[4] for key in best if key[:4] == (K_dim, N, dtype, k))
             ax.plot(ms, [best[(K_dim, N, dtype, k, m)]["speedup"] for m in ms], marker="o",
@@ -70,8 +74,9 @@ def plot_speedup(records: list[dict], meta: dict, path) -> Path:
         ax.set_xlabel("M (rows of A)")
         ax.set_title(f"{K_dim}x{N} ({dtype})")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("speedup vs cuBLAS fp16")
-    axes[0][-1].legend()
+    for row in axes:
+        row[0].set_ylabel("speedup vs cuBLAS fp16")
+    axes.flat[len(layers) - 1].legend()
     fig.suptitle(f"kbit_gemm, best kernel per point - {_where(meta)}")
     return _save(plt, fig, path)
 

@@ -213,7 +213,9 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // l: every lane reads bank l, so one lookup per two weights costs one
   // conflict-free shared-memory wavefront, against two shuffles, two shifts
   // and a byte_perm through the lane-register table (k=5 would need 128 KB).
-  constexpr bool kPairTable = K == 3 || K == 4;
+  // Not for k=4 with M_TILES = 4 and one row tile per warp: there the 32 KB
+  // table drops the CTAs per SM from four to three (measured 15% slower).
+  constexpr bool kPairTable = K == 3 || (K == 4 && !(M_TILES == 4 && RPW == 1));
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
   if constexpr (kPairTable) {
@@ -296,12 +298,14 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
         // gemm.py picks the smallest M_TILES that holds M, so the first half
-        // of the n8 tiles is always full; of the rest, tiles wholly past M
-        // are skipped (warp-uniform) and a partial one reads zeros past M.
-        const bool full = 2 * mt < M_TILES;  // constant once unrolled
-        if (!full && mt * 8 >= M) continue;
+        // of the n8 tiles is always full and needs no predicate; elsewhere
+        // rows past M read as zeros. (Skipping n8 tiles wholly past M with a
+        // warp-uniform branch was measured 10-25% slower at M = 16..64: the
+        // branches cut the unrolled block into pieces the scheduler cannot
+        // interleave.)
         // chunk (4j + t) ^ 4(g & 1) = 4j + t + (j even ? 4(g&1) : -4(g&1)): a
         // per-thread pointer for even and odd j, the rest immediate offsets.
+        const bool full = 2 * mt < M_TILES;  // constant once unrolled
         const uint4 x = (full || mt * 8 + g < M) ? (j & 1 ? x_odd : x_even)[mt * 256 + 4 * j]
                                                   : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
