@@ -320,23 +320,24 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
-# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_9f77673_*.json
+# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_5277a15_*.json
 # (7 layers, M 1..1024, k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py):
-# mma won up to M = 128 on layers with N >= 28672 (many row tiles), up to
-# M = 96 on long-K layers (K_dim >= 14336) and up to M = 48..64 elsewhere.
+# mma won up to M = 192 on 8192x57344 (N >= 32768), up to 128 on layers with
+# N >= 16384 or K_dim >= 8192, and up to 64..96 elsewhere.
 _AUTO_MMA_MAX_M = 64
-_AUTO_MMA_MAX_M_LONG_K = 96  # K_dim >= _LONG_K
-_AUTO_MMA_MAX_M_WIDE = 128  # N >= _WIDE_N
+_AUTO_MMA_MAX_M_LARGE = 128  # N >= _WIDE_N or K_dim >= _LONG_K
+_AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N
 _LONG_K = 8192
 _WIDE_N = 16384
+_WIDEST_N = 32768
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
     """The kernel ``kernel="auto"`` runs for these sizes ("mma" or "dequant")."""
-    if N >= _WIDE_N:
-        limit = _AUTO_MMA_MAX_M_WIDE
-    elif K_dim >= _LONG_K:
-        limit = _AUTO_MMA_MAX_M_LONG_K
+    if N >= _WIDEST_N:
+        limit = _AUTO_MMA_MAX_M_WIDEST
+    elif N >= _WIDE_N or K_dim >= _LONG_K:
+        limit = _AUTO_MMA_MAX_M_LARGE
     else:
         limit = _AUTO_MMA_MAX_M
     return "mma" if M <= limit else "dequant"
