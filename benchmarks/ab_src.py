@@ -1,6 +1,7 @@
 """A/B of gemm_mma.cu against a saved base version, in one process (device only).
 
-usage: python benchmarks/ab_src.py BASE.cu[,OTHER.cu ...] [--set=NAME=INT ...] [K_dim N M k dtype ...]
+usage: python benchmarks/ab_src.py BASE.cu[,OTHER.cu ...] [--set=NAME=INT ...]
+       [--allow-different-bits] [K_dim N M k dtype ...]
 
 "A" runs kbit_gemm with every gemm_mma kernel compiled from BASE.cu (e.g.
 ``git show HEAD~1:kernels_src/gemm_mma.cu > /tmp/base.cu``), "B" with the
@@ -24,6 +25,7 @@ from kbit_cupy import _jit, bench, gemm
 from kbit_cupy._arrays import BFLOAT16
 
 _real_get_kernel = _jit.get_kernel
+ALLOW_DIFFERENT_BITS = False
 
 
 def base_getter(path):
@@ -78,21 +80,29 @@ def case(getters, knobs, K_dim, N, M, k, dtype):
         op()
     same = all(bool(cp.array_equal(outs[n].view(cp.uint16), outs["B"].view(cp.uint16)))
                for n in names)
+    ref = outs["B"].astype(cp.float32)
+    rel = max(float(cp.linalg.norm(outs[n].astype(cp.float32) - ref) / cp.linalg.norm(ref))
+              for n in names)
     res = bench.time_ops(ops, reps=30)
     t = {n: r["median_us"] for n, r in res.items()}
     line = " ".join(f"{n} {v:.1f} us ({t['cublas'] / v:.2f}x)" for n, v in t.items())
     print(f"{K_dim}x{N} M={M} k={k} {dtype.name}: {line}  B/A {t['A'] / t['B']:.3f}"
-          f"  same bits: {same}", flush=True)
-    assert same, "the variants disagree"
+          f"  same bits: {same} (max relative difference {rel:.1e})", flush=True)
+    if ALLOW_DIFFERENT_BITS:
+        assert rel < 5e-3, "the variants disagree"
+    else:
+        assert same, "the variants disagree (--allow-different-bits for numerics changes)"
     for name, value in knobs:
         o = outs[f"B@{name}={value}"].astype(cp.float32)
         assert float(cp.abs(o - outs["B"].astype(cp.float32)).max()) < 1e-2, name
 
 
 def main():
+    global ALLOW_DIFFERENT_BITS
+    ALLOW_DIFFERENT_BITS = "--allow-different-bits" in sys.argv
     knobs = [(a[6:].split("=")[0], int(a[6:].split("=")[1])) for a in sys.argv[2:]
              if a.startswith("--set=")]
-    rest = [a for a in sys.argv[2:] if not a.startswith("--set=")]
+    rest = [a for a in sys.argv[2:] if not a.startswith("--")]
     files = sys.argv[1].split(",")
     getters = {"A": base_getter(files[0])}
     getters.update({Path(f).stem: base_getter(f) for f in files[1:]})
