@@ -116,13 +116,6 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     float* __restrict__ workspace, int* __restrict__ counters) {
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
-  // k=2, M_TILES = 1: the block's scale is applied to the mma result (four
-  // FFMA per block) instead of to every weight pair (eight HMUL2): the
-  // products A x codebook are summed per block in fp32 and scaled there, so
-  // the effective weight is codebook x scale without the rounding to T.
-  // Measured +11% on 8192x57344 k=2 M=1; for k=3 -9%, k=4 +2%, k=5 -2%, so
-  // only k=2.
-  constexpr bool kScaleAfter = K == 2 && M_TILES == 1;
   const int g = lane >> 2, t = lane & 3;
   const int first_rt = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * RPW;
   const int split = blockIdx.y;
@@ -208,12 +201,10 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // the top of the loop orders these writes before any read.
   // E4M4 code -> (scale, scale) in T, built once per CTA.
   __shared__ unsigned scale_pair[256];
-  __shared__ float scale_f32[kScaleAfter ? 256 : 1];
   if constexpr (sizeof(TScale) == 1) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
       unsigned h = Mma<T>::to_bits(e4m4_decode(i));
       scale_pair[i] = h | (h << 16);
-      if constexpr (kScaleAfter) scale_f32[i] = e4m4_decode(i);
     }
   }
   // k=3, 4: a table of weight pairs, entry b = (codebook[b mod 2^K],
@@ -273,21 +264,13 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     for (int j = 0; j < 8; ++j) {
       // Weights of block j: 8 per row half, decoded to T, times the block's scale.
       unsigned wp[RPW][2][4];  // [r][h][pair]: columns (8t + 2p, +1) of row g + 8h
-      float sf[RPW][2];        // kScaleAfter: the scales of rows g, g + 8
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          unsigned sp = 0;  // (scale, scale) of row g + 8h, block j
+          unsigned sp;  // (scale, scale) of row g + 8h, block j
           const unsigned* sw = h ? sw_hi[r] : sw_lo[r];
-          if constexpr (kScaleAfter) {
-            if constexpr (sizeof(TScale) == 1) {
-              sf[r][h] = scale_f32[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
-            } else {
-              sf[r][h] = __half2float(__ushort_as_half(
-                  (unsigned short)((sw[j >> 1] >> (16 * (j & 1))) & 0xffffu)));
-            }
-          } else if constexpr (sizeof(TScale) == 1) {
+          if constexpr (sizeof(TScale) == 1) {
             sp = scale_pair[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
           } else {
             sp = fp16_scale_pair<T>(sw[j >> 1] >> (16 * (j & 1)));
@@ -306,7 +289,7 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
               const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w[r], (f + 1) * K));
               pair = __byte_perm(e0, e1, 0x5410);
             }
-            wp[r][h][p] = kScaleAfter ? pair : Mma<T>::mul2(pair, sp);
+            wp[r][h][p] = Mma<T>::mul2(pair, sp);
           }
         }
       }
@@ -327,18 +310,11 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
                                                   : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
           for (int slab = 0; slab < 2; ++slab) {
             const unsigned a[4] = {wp[r][0][2 * slab], wp[r][1][2 * slab], wp[r][0][2 * slab + 1],
                                    wp[r][1][2 * slab + 1]};
-            Mma<T>::run(kScaleAfter ? part : acc[r][mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
-          }
-          if constexpr (kScaleAfter) {  // c0, c1: row g; c2, c3: row g + 8
-            acc[r][mt][0] = fmaf(part[0], sf[r][0], acc[r][mt][0]);
-            acc[r][mt][1] = fmaf(part[1], sf[r][0], acc[r][mt][1]);
-            acc[r][mt][2] = fmaf(part[2], sf[r][1], acc[r][mt][2]);
-            acc[r][mt][3] = fmaf(part[3], sf[r][1], acc[r][mt][3]);
+            Mma<T>::run(acc[r][mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
           }
         }
       }
