@@ -116,3 +116,27 @@ def test_numpy_gemm_property(k, M, N, kblocks, dtype, fmt, seed):
     if M:
         assert rel_error(C, A, w) <= TOL[np.dtype(dtype)]
         np.testing.assert_array_equal(kbit_gemm(A, w).view(np.uint16), C.view(np.uint16))
+
+
+def test_auto_dispatch_against_the_committed_sweep():
+    # kernel="auto" must stay close to the best kernel measured at every point
+    # of the committed H100 sweep it was derived from (benchmarks/derive_dispatch.py).
+    import json
+    from pathlib import Path
+
+    from kbit_cupy.gemm import choose_kernel
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    paths = sorted(results.glob("gemm_sweep_h100_5277a15_*.json"))
+    assert len(paths) == 2
+    worst = 1.0
+    for path in paths:
+        records = json.loads(path.read_text())["records"]
+        times = {(r["K_dim"], r["N"], r["M"], r["k"], r["dtype"], r["kernel"]): r["time_us"]
+                 for r in records}
+        for K_dim, N, M, k, dtype, kernel in times:
+            if kernel != "mma":
+                continue
+            t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "dequant")}
+            worst = max(worst, t[choose_kernel(M, N, K_dim, k, dtype)] / min(t.values()))
+    assert worst <= 1.06, worst
