@@ -22,6 +22,11 @@
 // of row l/2, blocks 4(l%2) .. 4(l%2)+3 (uint8 E4M4 codes: one word; fp16:
 // two), and shuffles hand each thread the 16 it needs (rows g and g+8).
 //
+// Codebook lookup: k=3/4 through a lane-replicated pair table in shared
+// memory (one LDS per two weights, see pair_tab), k=2 through a pair table in
+// lane registers (one shuffle per two weights), k=5 through the codebook in
+// lane registers (one shuffle per weight).
+//
 // Effective weight: half(codebook[idx]) * half(scale) in the activation type
 // (FORMAT.md section 7 allows one unit in the last place against section 6).
 //
