@@ -46,8 +46,9 @@ def kernels_dir() -> Path:
 
 
 @cache
-def render_source(family: str) -> str:
-    """Source of ``kernels_src/<family>.cu`` with local headers inlined once each."""
+def render_source(family: str, text: str | None = None) -> str:
+    """Source of ``kernels_src/<family>.cu`` (or ``text`` in its place) with
+    local headers inlined once each."""
     root = kernels_dir()
     seen: set[str] = set()
 
@@ -61,7 +62,9 @@ def render_source(family: str) -> str:
 
         return _INCLUDE.sub(repl, text)
 
-    return expand((root / f"{family}.cu").read_text()).replace("#pragma once", "")
+    if text is None:
+        text = (root / f"{family}.cu").read_text()
+    return expand(text).replace("#pragma once", "")
 
 
 def kernel_name(family: str, *template_args) -> str:
