@@ -11,7 +11,7 @@ cuBLAS fp16, so drift cancels, and all must give B's bits (the change under
 test must not change results) unless --allow-different-bits, which only asks
 for a relative difference below 5e-3. Each --set adds "B@NAME=INT": B with
 kbit_cupy.gemm.NAME set to INT during its launches (a dispatch knob such as
-_SPLIT_WARPS_PER_SM; split K then sums in another order, so only closeness is
+_STREAM_K_SLACK; the work split then sums in another order, so only closeness is
 checked).
 """
 

@@ -21,7 +21,7 @@ import numpy as np
 from . import _jit
 from ._arrays import BFLOAT16, array_module, as_module_array, is_device_array, same_module, to_host
 from .format import BLOCK, check_codebook, check_k
-from .quantize import _dequantize_cuda, _sm_count, dequantize_kbit, quantize_kbit
+from .quantize import _dequantize_cuda, _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
 
 ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
@@ -29,7 +29,7 @@ BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
 KERNELS = ("auto", "mma", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
-_THREADS = 128  # 4 warps
+_WARPS = 4  # per gemm_mma CTA
 _CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
 
 
@@ -343,20 +343,8 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
     return "mma" if M <= limit else "dequant"
 
 
-# K splits aim at this many warps per SM in all (measured: 20 or 24 gain
-# nothing on the mma kernel, ab_src.py --set).
-_SPLIT_WARPS_PER_SM = 16
-
-
-def _splits(row_tiles: int, k_tiles: int) -> int:
-    """K splits so that every SM gets work: about _SPLIT_WARPS_PER_SM warps per SM in all."""
-    target = _sm_count() * _SPLIT_WARPS_PER_SM
-    s = max(1, min(k_tiles, math.ceil(target / row_tiles)))
-    per = math.ceil(k_tiles / s)
-    return math.ceil(k_tiles / per)  # no empty splits
-
-
 _counter_cache: dict[tuple[int, int], object] = {}
+_resident_cache: dict[tuple[int, int], int] = {}  # (kernel, dynamic shared) -> CTAs per SM
 
 
 def _counters(n: int):
@@ -375,6 +363,33 @@ def _counters(n: int):
     return buf
 
 
+_STREAM_K_SLACK = 1  # tiles per CTA that stream-K must save to be chosen over split K
+
+
+def _work_split(groups: int, k_tiles: int, slots: int) -> tuple[int, int, int]:
+    """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
+    for stream-K).
+
+    Split K: every group's K tiles in ``s`` whole segments of ``per`` tiles,
+    one CTA each (units per group padded to ``s * per`` so that each CTA's
+    range is one segment): ``ceil(groups * s / slots)`` waves of ``per``
+    tiles. Stream-K: ``groups * k_tiles`` units cut evenly over ``slots``
+    CTAs, one wave of about ``units / slots`` tiles, but most CTAs end two
+    segments and store partial tiles. Split K wins unless stream-K saves
+    more than _STREAM_K_SLACK tiles per CTA (a segment's end costs about one,
+    measured on the H100).
+    """
+    s = max(1, min(k_tiles, slots // groups))
+    per = math.ceil(k_tiles / s)
+    s = math.ceil(k_tiles / per)
+    split_time = math.ceil(groups * s / slots) * per
+    units = groups * k_tiles
+    ctas = min(units, slots)
+    if math.ceil(units / ctas) + _STREAM_K_SLACK < split_time:
+        return k_tiles, ctas, 0
+    return s * per, groups * s, s
+
+
 def _launch_mma(A, weight: KbitWeight, C) -> None:
     import cupy as cp
 
@@ -388,23 +403,28 @@ def _launch_mma(A, weight: KbitWeight, C) -> None:
     per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
     kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name, m_tiles,
                            per_warp)
-    units = math.ceil(rt_n / per_warp)  # warps along N
-    splits = _splits(units, kt_n)
-    if splits > 1:
-        workspace = cp.empty(splits * rt_n * m_tiles * 32 * 4, dtype=cp.float32)
-        counters = _counters(rt_n)
-    else:
-        workspace = cp.empty(1, dtype=cp.float32)
-        counters = cp.empty(1, dtype=cp.int32)
-    warps = _THREADS // 32
-    grid = (math.ceil(units / warps), splits)
     shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # double-buffered activations
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
         kern.max_dynamic_shared_size_bytes = shared
-    kern(grid, (_THREADS,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
-                              np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(splits),
-                              workspace, counters), shared_mem=shared)
+    # Work split (gemm_mma.cu, "Work split"): units of (group, K tile), one
+    # contiguous range per CTA, at most as many CTAs as are resident at once.
+    groups = math.ceil(rt_n / (_WARPS * per_warp))
+    key = (id(kern), shared)
+    if key not in _resident_cache:
+        _resident_cache[key] = _resident_ctas(kern, _WARPS * 32, kern.shared_size_bytes + shared)
+    group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * _resident_cache[key])
+    units = groups * group_units
+    if units >= 2**31:
+        raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
+    # fp32 partials of split groups: two slots per CTA (its first and last group)
+    workspace = cp.empty(2 * ctas * _WARPS * per_warp * m_tiles * 32 * 4, dtype=cp.float32)
+    counters = _counters(rt_n)
+    kern((ctas,), (_WARPS * 32,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
+                                   np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(group_units),
+                                   np.int32(units // ctas),
+                                   np.int32(units % ctas), np.int32(splits),
+                                   workspace, counters), shared_mem=shared)
 
 
 __all__ = [

@@ -3,8 +3,8 @@
 // The product is computed transposed, C^T = W A^T, with mma.sync m16n8k16:
 // the weight tile is operand A (16 rows of W), the activations operand B
 // (8 rows of A per n8 tile, M_TILES tiles), fp32 accumulators. A warp owns one
-// 16-row tile of W and a range of 256-wide K tiles (a "split"); it decodes
-// each weight once and feeds it to every n8 tile, so decode cost does not
+// 16-row tile of W (RPW of them) and a range of 256-wide K tiles (a segment,
+// see "Work split" below); it decodes each weight once and feeds it to every n8 tile, so decode cost does not
 // grow with M.
 //
 // Weight layout (made once by kbit_cupy/gemm.py:repack_for_gemm): for row
@@ -30,9 +30,20 @@
 // Effective weight: half(codebook[idx]) * half(scale) in the activation type
 // (FORMAT.md section 7 allows one unit in the last place against section 6).
 //
-// Split K: with SPLIT > 1 each warp writes its fp32 partial tile to a
-// workspace; the last warp to finish a row tile (an integer counter) adds the
-// partials in split order and writes C, so results are deterministic.
+// Work split: a CTA's 4 warps own a "group" of 4 * RPW row tiles and walk its
+// K tiles together (they share the staged activations). The (group, K tile)
+// units, n_groups * group_units of them, are cut into gridDim.x equal
+// contiguous ranges, one per CTA. gemm.py picks one of two shapes:
+// - stream-K (group_units = k_tiles): the grid is as large as fits on the GPU
+//   at once, so every SM has the same work and there is no partial last wave;
+//   a CTA covers some groups whole and at most two in part;
+// - split K (group_units = splits * tiles per split, the units past k_tiles
+//   padding): every CTA covers exactly one part of one group.
+// A part is a "segment" whose fp32 partial tile goes to workspace slot 2c
+// (CTA c's first segment) or 2c + 1 (its last); the counter of a row tile adds
+// up the K tiles done, and the warp that completes them adds the slots of the
+// group's CTAs in CTA order and writes C, so results are deterministic. The
+// next unit's loads run across segment ends.
 #include "common.cuh"
 
 namespace kbit {
@@ -117,24 +128,48 @@ template <int K, typename T, typename TScale, int M_TILES, int RPW>
 __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
-    int M, int N, int K_dim, int row_tiles, int k_tiles, int splits,
+    int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
+    int splits,
     float* __restrict__ workspace, int* __restrict__ counters) {
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
-  const int first_rt = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * RPW;
-  const int split = blockIdx.y;
-  // Row tiles past the last one are redone as the last one (uniform control
-  // flow: barriers and shuffles see every warp and lane) and store nothing.
-  int rt[RPW];
-  bool active[RPW];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    active[r] = first_rt + r < row_tiles;
-    rt[r] = active[r] ? first_rt + r : row_tiles - 1;
-  }
-  const int kt_per = (k_tiles + splits - 1) / splits;
-  const int kt0 = split * kt_per, kt1 = min(k_tiles, kt0 + kt_per);
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  // This CTA's units [u_begin, u_end) of n_groups * group_units (see the
+  // header; gemm.py keeps the count below 2^31): CTA c gets q units, plus one
+  // if c < rem (q, rem: kernel parameters, so they take no registers). A
+  // group's units past k_tiles (group_units > k_tiles) are padding that no
+  // one computes: gemm.py pads so that ranges start at group boundaries when
+  // whole split-K segments beat stream-K.
+  auto range_start = [&](int c) { return c * q + min(c, rem); };
+  // With whole split-K segments (splits > 0, gridDim.x = groups * splits) the
+  // launch order runs group-fastest (CTA b does segment b / groups of group
+  // b % groups), which measured 5% faster than segment-fastest.
+  const int cta = splits > 0 ? (blockIdx.x % (gridDim.x / splits)) * splits +
+                                   blockIdx.x / (gridDim.x / splits)
+                             : (int)blockIdx.x;
+  const int u_begin = range_start(cta), u_end = range_start(cta + 1);
+  // The CTA whose range holds unit v (ranges are never empty: gridDim.x <= units).
+  auto cta_of = [&](int v) {
+    const int big = rem * (q + 1);
+    return v < big ? v / (q + 1) : rem + (v - big) / q;
+  };
+  // Row tile r of a group's warp; past the last one it is redone as the last
+  // one (uniform control flow: barriers and shuffles see every warp and lane)
+  // and stores nothing.
+  auto row_tile = [&](int grp_l, int r) {
+    return min((grp_l * warps + warp) * RPW + r, row_tiles - 1);
+  };
+  // The walk over this CTA's units (CTA-uniform): unit u is K tile kt of
+  // group grp. The current segment is K tiles seg_kt0 .. seg_kt0 + seg_n - 1
+  // of grp (tile index base[r] + K tile); seg_more: another segment (the
+  // next group's, from its K tile 0, tile index next_base[r]) follows in
+  // this CTA; its first activation buffer is seg_buf0.
+  int u = u_begin, grp = u_begin / group_units;
+  int kt = u_begin - grp * group_units;
+  int seg_kt0 = 0, seg_n = 0, seg_buf0 = 0;
+  bool seg_more = false;
+  int base[RPW], next_base[RPW];
 
   // Lane j holds codebook[j mod 2^K] in T: a shuffle by an index whose bits
   // above K are garbage still finds the right entry.
@@ -142,14 +177,6 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // by two neighbouring fields gives a pair of weights.
   const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
   const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
-
-  float acc[RPW][M_TILES][4];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r)
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
 
   // The next tile's index and scale words load while this one computes, into
   // two register sets used in turn (the loop below is unrolled by two, so
@@ -161,10 +188,12 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   constexpr int kSets = 2;
   unsigned w_s[kSets][RPW][4 * K];
   RawScale raw_s[kSets][RPW];
-  auto load_tile = [&](int kt, unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
+  // Loads tile idx[r] (row tile * k_tiles + K tile) of each row tile.
+  auto load_tile = [&](const int (&idx)[RPW], unsigned (&w_next)[RPW][4 * K],
+                       RawScale (&raw_next)[RPW]) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      const long long tile = (long long)rt[r] * k_tiles + kt;
+      const long long tile = idx[r];
 #pragma unroll
       for (int q = 0; q < K; ++q) {
         const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
@@ -183,11 +212,11 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // distinct banks.
   extern __shared__ uint4 x_stage[];  // [2][8 * M_TILES][32]
   constexpr int kStageChunks = 8 * M_TILES * 32;
-  auto load_x = [&](int kt, int buf) {
+  auto load_x = [&](int kt_l, int buf) {
     const int rows = min(M, 8 * M_TILES);  // rows past M are never read
     for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
       const int row = i >> 5, c = i & 31;
-      const int col = kt * 256 + 8 * c;
+      const int col = kt_l * 256 + 8 * c;
       const bool valid = row < M && col < K_dim;
       const T* src = valid ? A + (long long)row * K_dim + col : A;
       const unsigned dst = (unsigned)__cvta_generic_to_shared(
@@ -197,9 +226,12 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
-  if (kt0 < kt1) {
-    load_x(kt0, 0);
-    load_tile(kt0, w_s[0], raw_s[0]);
+  if (u_begin < u_end) {
+    load_x(kt, 0);
+    int idx[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) idx[r] = row_tile(grp, r) * k_tiles + kt;
+    load_tile(idx, w_s[0], raw_s[0]);
   }
 
   // The tables are built while the first loads are in flight; the barrier at
@@ -232,15 +264,91 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     }
   }
 
-  // One K tile: weights and scale words in (w, raw), the next tile's loaded
-  // into (w_next, raw_next).
-  auto tile = [&](int kt, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
+  // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile
+  // row_tile(grp, r), summed over the current segment's K tiles.
+  float acc[RPW][M_TILES][4];
+  auto zero_acc = [&]() {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
+  };
+  // The end of a segment: store C, or a partial tile (see the header).
+  // K tiles seg_kt0 .. seg_kt1 - 1 of group seg_grp are in acc.
+  auto finish_segment = [&](int seg_grp, int seg_kt0, int seg_kt1) {
+    const bool whole = seg_kt0 == 0 && seg_kt1 == k_tiles;
+    const int g_begin = seg_grp * group_units;
+    // workspace slot of CTA c's segment of this group: its first or its last
+    auto slot_part = [&](int c, int r) {
+      const int slot = 2 * c + (range_start(c) < g_begin ? 1 : 0);
+      return workspace + ((((long long)slot * warps + warp) * RPW + r) * M_TILES * 32 + lane) * 4;
+    };
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const int rt = (seg_grp * warps + warp) * RPW + r;
+      if (rt >= row_tiles) continue;  // warp-uniform
+      if (!whole) {
+        float* mine = slot_part(cta, r);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+          reinterpret_cast<float4*>(mine)[mt * 32] =
+              make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
+        __threadfence();
+        // The counter adds up the K tiles done; the segment that completes
+        // them adds the partials (a division only on this path).
+        int done = 0;
+        if (lane == 0) done = atomicAdd(counters + rt, seg_kt1 - seg_kt0) + seg_kt1 - seg_kt0;
+        done = __shfl_sync(kFullMask, done, 0);
+        if (done != k_tiles) continue;  // another segment finishes this tile
+        __threadfence();
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
+        // The group's CTAs in order (deterministic); a counted loop, so the
+        // loads of several partials are in flight at once.
+        const int c_last = cta_of(g_begin + k_tiles - 1);
+#pragma unroll (M_TILES * RPW <= 2 ? 4 : 1)
+        for (int c = cta_of(g_begin); c <= c_last; ++c) {
+          const float* part = slot_part(c, r);
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part) + mt * 32);
+            acc[r][mt][0] += v.x;
+            acc[r][mt][1] += v.y;
+            acc[r][mt][2] += v.z;
+            acc[r][mt][3] += v.w;
+          }
+        }
+        if (lane == 0) counters[rt] = 0;  // ready for the next call
+      }
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = rt * 16 + g + 8 * (i >> 1);
+          const int m = mt * 8 + 2 * t + (i & 1);
+          if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[r][mt][i]);
+        }
+      }
+    }
+  };
+
+  // One unit (K tile kt of group grp): weights and scale words in (w, raw),
+  // the next unit's (the next K tile, or the next group's first) loaded into
+  // (w_next, raw_next) meanwhile, so the pipeline runs across segments.
+  auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
-    const int buf = (kt - kt0) & 1;
+    const int buf = (seg_buf0 ^ i) & 1;
     const uint4* const x_even = x_stage + buf * kStageChunks + g * 32 + t + 4 * (g & 1);
     const uint4* const x_odd = x_even - 8 * (g & 1);
-    if (kt + 1 < kt1) {
-      load_x(kt + 1, buf ^ 1);
+    const bool in_seg = i + 1 < seg_n;
+    const bool has_next = in_seg || seg_more;
+    const int next_kt = in_seg ? seg_kt0 + i + 1 : 0;
+    if (has_next) {
+      load_x(next_kt, buf ^ 1);
       asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
       asm volatile("cp.async.wait_group 0;\n" ::);
@@ -263,7 +371,12 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
         }
       }
     }
-    if (kt + 1 < kt1) load_tile(kt + 1, w_next, raw_next);
+    if (has_next) {
+      int idx[RPW];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
+      load_tile(idx, w_next, raw_next);
+    }
 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -326,68 +439,45 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     }
     __syncthreads();  // everyone is done with x_stage[buf] before it is refilled
   };
-  if constexpr (!kCopy) {
-    for (int kt = kt0; kt < kt1; kt += kSets) {
+  auto copy_set = [&]() {  // set 1 -> set 0
 #pragma unroll
-      for (int i = 0; i < kSets; ++i)
-        if (kt + i < kt1)
-          tile(kt + i, w_s[i], raw_s[i], w_s[(i + 1) % kSets], raw_s[(i + 1) % kSets]);
+    for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+      for (int i = 0; i < 4 * K; ++i) w_s[0][r][i] = w_s[1][r][i];
+      raw_s[0][r] = raw_s[1][r];
     }
-  } else {
-    for (int kt = kt0; kt < kt1; ++kt) {
-      tile(kt, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+  };
+  while (u < u_end) {  // segments
+    seg_kt0 = kt;
+    seg_n = min(k_tiles, kt + (u_end - u)) - kt;
+    const int after = (grp + 1) * group_units;
+    seg_more = after < u_end;
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
+    for (int r = 0; r < RPW; ++r) {
+      base[r] = row_tile(grp, r) * k_tiles;
+      next_base[r] = row_tile(grp + 1, r) * k_tiles;
+    }
+    zero_acc();
+    if constexpr (!kCopy) {
+      for (int i = 0; i < seg_n; i += kSets) {
 #pragma unroll
-        for (int i = 0; i < 4 * K; ++i) w_s[0][r][i] = w_s[1][r][i];
-        raw_s[0][r] = raw_s[1][r];
+        for (int j = 0; j < kSets; ++j)
+          if (i + j < seg_n)
+            tile(i + j, w_s[j], raw_s[j], w_s[(j + 1) % kSets], raw_s[(j + 1) % kSets]);
+      }
+      // The next segment's first tile is in set seg_n % 2; the loop starts at 0.
+      if (seg_n % kSets) copy_set();
+    } else {
+      for (int i = 0; i < seg_n; ++i) {
+        tile(i, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+        copy_set();
       }
     }
-  }
-
-  // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile rt[r].
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    if (!active[r]) continue;  // warp-uniform
-    if (splits > 1) {
-      float* mine = workspace + (((long long)split * row_tiles + rt[r]) * M_TILES * 32 + lane) * 4;
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
-        reinterpret_cast<float4*>(mine)[mt * 32] =
-            make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
-      __threadfence();
-      int arrived = 0;
-      if (lane == 0) arrived = atomicAdd(counters + rt[r], 1);
-      arrived = __shfl_sync(kFullMask, arrived, 0);
-      if (arrived != splits - 1) continue;  // another split finishes this tile
-      __threadfence();
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
-      for (int s = 0; s < splits; ++s) {  // fixed order: deterministic
-        const float* part =
-            workspace + (((long long)s * row_tiles + rt[r]) * M_TILES * 32 + lane) * 4;
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          const float4 v = __ldcg(reinterpret_cast<const float4*>(part) + mt * 32);
-          acc[r][mt][0] += v.x;
-          acc[r][mt][1] += v.y;
-          acc[r][mt][2] += v.z;
-          acc[r][mt][3] += v.w;
-        }
-      }
-      if (lane == 0) counters[rt[r]] = 0;  // ready for the next call
-    }
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = rt[r] * 16 + g + 8 * (i >> 1);
-        const int m = mt * 8 + 2 * t + (i & 1);
-        if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[r][mt][i]);
-      }
-    }
+    finish_segment(grp, seg_kt0, seg_kt0 + seg_n);
+    seg_buf0 ^= seg_n & 1;
+    u = after;
+    ++grp;
+    kt = 0;
   }
 }
 

@@ -140,3 +140,65 @@ def test_auto_dispatch_against_the_committed_sweep():
             t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "dequant")}
             worst = max(worst, t[choose_kernel(M, N, K_dim, k, dtype)] / min(t.values()))
     assert worst <= 1.06, worst
+
+
+# --------------------------------------------------------------------------
+# the mma kernel's work split (gemm_mma.cu "Work split"), mirrored in Python
+
+
+def _segments_of(groups: int, k_tiles: int, slots: int):
+    """The segments each CTA of gemm_mma.cu walks, for gemm.py's chosen split."""
+    from kbit_cupy.gemm import _work_split
+
+    group_units, ctas, splits = _work_split(groups, k_tiles, slots)
+    units = groups * group_units
+    q, rem = divmod(units, ctas)
+
+    def range_start(c):
+        return c * q + min(c, rem)
+
+    def cta_of(v):
+        big = rem * (q + 1)
+        return v // (q + 1) if v < big else rem + (v - big) // q
+
+    logical = []
+    for b in range(ctas):  # blockIdx.x -> logical CTA, as the kernel maps it
+        if splits > 0:
+            per_split = ctas // splits
+            logical.append((b % per_split) * splits + b // per_split)
+        else:
+            logical.append(b)
+    segs = []  # (cta, group, kt0, kt1, slot)
+    for c in logical:
+        u, u_end = range_start(c), range_start(c + 1)
+        grp, kt = divmod(u, group_units)
+        while u < u_end:
+            n = min(k_tiles, kt + (u_end - u)) - kt
+            slot = 2 * c + (1 if range_start(c) < grp * group_units else 0)
+            segs.append((c, grp, kt, kt + n, slot))
+            u, grp, kt = (grp + 1) * group_units, grp + 1, 0
+    return ctas, logical, segs, cta_of, range_start, group_units
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 300), st.integers(1, 1000))
+def test_work_split_covers_every_tile_once(groups, k_tiles, slots):
+    ctas, logical, segs, cta_of, range_start, group_units = _segments_of(groups, k_tiles, slots)
+    assert 1 <= ctas <= max(slots, 1) or ctas == groups  # split K may run several waves
+    assert sorted(logical) == list(range(ctas))
+    done = {}
+    for c, grp, kt0, kt1, _ in segs:
+        assert 0 <= kt0 < kt1 <= k_tiles, "a segment is empty or runs past the group"
+        for kt in range(kt0, kt1):
+            assert (grp, kt) not in done
+            done[(grp, kt)] = c
+    assert len(done) == groups * k_tiles
+    partial = [s for s in segs if not (s[2] == 0 and s[3] == k_tiles)]
+    assert len({s[4] for s in partial}) == len(partial), "two segments share a workspace slot"
+    by_group = {}
+    for c, grp, _, _, slot in partial:
+        by_group.setdefault(grp, []).append((c, slot))
+    for grp, parts in by_group.items():  # what the reducing warp reads, in order
+        g_begin = grp * group_units
+        cs = list(range(cta_of(g_begin), cta_of(g_begin + k_tiles - 1) + 1))
+        assert sorted(parts) == [(c, 2 * c + (1 if range_start(c) < g_begin else 0)) for c in cs]
