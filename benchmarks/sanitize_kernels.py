@@ -1,7 +1,7 @@
 """Run every kernel family over a spread of shapes, for compute-sanitizer.
 
-usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py
-       compute-sanitizer --tool racecheck python benchmarks/sanitize_kernels.py --quick
+usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py [--stream-k]
+       compute-sanitizer --tool racecheck python benchmarks/sanitize_kernels.py --quick [--stream-k]
 Checks results loosely (the GPU tests check them exactly); the point is that
 the sanitizer sees every code path: odd M, N, K_dim, split K, both scale
 formats, both activation dtypes, every k.
@@ -19,13 +19,19 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="fewer shapes (racecheck is slow)")
 parser.add_argument("--no-cublas", action="store_true",
                     help="skip kernel='dequant' (cuBLAS kernels report their own racecheck hazards)")
+parser.add_argument("--stream-k", action="store_true",
+                    help="force the mma kernel's stream-K work split (CTAs ending two segments)")
 args = parser.parse_args()
+if args.stream_k:
+    from kbit_cupy import gemm
+
+    gemm._STREAM_K_SLACK = -10**6
 
 rng = np.random.default_rng(0)
 shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),
-          (1, 768, 14336), (64, 17, 4096), (33, 8449, 256)]
+          (1, 768, 14336), (64, 17, 4096), (33, 8449, 256), (64, 1024, 4096)]
 if args.quick:
-    shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96)]
+    shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96), (64, 1024, 4096)]
 count = 0
 for k in (2, 3, 4, 5):
     for fmt in ("e4m4", "fp16"):

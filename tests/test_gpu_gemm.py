@@ -116,6 +116,22 @@ def test_deterministic_with_split_k(M):
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
+@pytest.mark.parametrize("split", ["stream-k", "split-k"])
+@pytest.mark.parametrize("M", [1, 17, 64])
+def test_both_work_splits(monkeypatch, split, M):
+    """Forced stream-K (CTAs ending two segments, partials across group ends)
+    and forced split K, each exact to the reference and deterministic."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
+    for N, K_dim, k in [(2048, 8192, 4), (1040, 4352, 3), (4096, 2048, 2)]:
+        w, A, C = run_case(M, N, K_dim, k, np.float16, "mma")
+        again = kbit_gemm(cp.asarray(A), w, kernel="mma")
+        assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
+
+
 def test_repack_on_gpu_equals_cpu():
     import cupy as cp
 
