@@ -320,13 +320,16 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
-# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_5277a15_*.json
+# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_37891e0_*.json
 # (7 layers, M 1..1024, k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py):
 # mma won up to M = 192 on 8192x57344 (N >= 32768), up to 128 on layers with
-# N >= 16384 or K_dim >= 8192, and up to 64..96 elsewhere.
+# N >= 16384 or K_dim >= 8192, up to 96 on 4096x6144 and up to 48..64 on the
+# 2048x768 and 768x2048 layers.
 _AUTO_MMA_MAX_M = 64
+_AUTO_MMA_MAX_M_MID = 96  # N * K_dim >= _MID_WEIGHTS
 _AUTO_MMA_MAX_M_LARGE = 128  # N >= _WIDE_N or K_dim >= _LONG_K
 _AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N
+_MID_WEIGHTS = 1 << 24
 _LONG_K = 8192
 _WIDE_N = 16384
 _WIDEST_N = 32768
@@ -338,6 +341,8 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
         limit = _AUTO_MMA_MAX_M_WIDEST
     elif N >= _WIDE_N or K_dim >= _LONG_K:
         limit = _AUTO_MMA_MAX_M_LARGE
+    elif N * K_dim >= _MID_WEIGHTS:
+        limit = _AUTO_MMA_MAX_M_MID
     else:
         limit = _AUTO_MMA_MAX_M
     return "mma" if M <= limit else "dequant"
