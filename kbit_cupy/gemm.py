@@ -368,29 +368,41 @@ def _counters(n: int):
     return buf
 
 
-_STREAM_K_SLACK = 1  # tiles per CTA that stream-K must save to be chosen over split K
+_STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the load model)
+_SPLIT_BY_SM_LOAD = 1  # 0: the 37891e0 rule (waves x tiles per CTA), for A/B
 
 
-def _work_split(groups: int, k_tiles: int, slots: int) -> tuple[int, int, int]:
+def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, int, int]:
     """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
     for stream-K).
 
     Split K: every group's K tiles in ``s`` whole segments of ``per`` tiles,
     one CTA each (units per group padded to ``s * per`` so that each CTA's
-    range is one segment): ``ceil(groups * s / slots)`` waves of ``per``
-    tiles. Stream-K: ``groups * k_tiles`` units cut evenly over ``slots``
-    CTAs, one wave of about ``units / slots`` tiles, but most CTAs end two
-    segments and store partial tiles. Split K wins unless stream-K saves
-    more than _STREAM_K_SLACK tiles per CTA (a segment's end costs about one,
-    measured on the H100).
+    range is one segment). Stream-K: ``groups * k_tiles`` units cut evenly
+    over ``slots`` CTAs (``slots``: CTAs resident at once on ``sms`` SMs);
+    most CTAs end two segments and store partial tiles. The choice minimises
+    the tiles the busiest SM runs: CTAs per SM x tiles per CTA (plus
+    _STREAM_K_SLACK per stream-K CTA); ties go to more CTAs.
     """
-    s = max(1, min(k_tiles, slots // groups))
-    per = math.ceil(k_tiles / s)
-    s = math.ceil(k_tiles / per)
-    split_time = math.ceil(groups * s / slots) * per
     units = groups * k_tiles
     ctas = min(units, slots)
-    if math.ceil(units / ctas) + _STREAM_K_SLACK < split_time:
+    if not _SPLIT_BY_SM_LOAD:
+        s = max(1, min(k_tiles, slots // groups))
+        per = math.ceil(k_tiles / s)
+        s = math.ceil(k_tiles / per)
+        if math.ceil(units / ctas) + 1 < math.ceil(groups * s / slots) * per:
+            return k_tiles, ctas, 0
+        return s * per, groups * s, s
+    best = None
+    for s in range(1, max(1, min(k_tiles, slots // groups)) + 1):
+        per = math.ceil(k_tiles / s)
+        s_used = math.ceil(k_tiles / per)
+        key = (math.ceil(groups * s_used / sms) * per, -s_used)
+        if best is None or key < best[0]:
+            best = (key, s_used, per)
+    (split_load, _), s, per = best
+    stream_load = math.ceil(ctas / sms) * (math.ceil(units / ctas) + _STREAM_K_SLACK)
+    if stream_load < split_load:
         return k_tiles, ctas, 0
     return s * per, groups * s, s
 
@@ -418,17 +430,19 @@ def _launch_mma(A, weight: KbitWeight, C) -> None:
     key = (id(kern), shared)
     if key not in _resident_cache:
         _resident_cache[key] = _resident_ctas(kern, _WARPS * 32, kern.shared_size_bytes + shared)
-    group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * _resident_cache[key])
+    group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * _resident_cache[key],
+                                            _sm_count())
     units = groups * group_units
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
     # fp32 partials of split groups: two slots per CTA (its first and last group)
     workspace = cp.empty(2 * ctas * _WARPS * per_warp * m_tiles * 32 * 4, dtype=cp.float32)
     counters = _counters(rt_n)
-    kern((ctas,), (_WARPS * 32,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
+    grid = (groups, splits) if splits > 1 else (ctas, 1)  # gemm_mma.cu: CTA (group, segment)
+    kern(grid, (_WARPS * 32,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
                                    np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(group_units),
                                    np.int32(units // ctas),
-                                   np.int32(units % ctas), np.int32(splits),
+                                   np.int32(units % ctas),
                                    workspace, counters), shared_mem=shared)
 
 

@@ -32,8 +32,8 @@
 //
 // Work split: a CTA's 4 warps own a "group" of 4 * RPW row tiles and walk its
 // K tiles together (they share the staged activations). The (group, K tile)
-// units, n_groups * group_units of them, are cut into gridDim.x equal
-// contiguous ranges, one per CTA. gemm.py picks one of two shapes:
+// units, n_groups * group_units of them, are cut into equal contiguous
+// ranges, one per CTA. gemm.py picks one of two shapes:
 // - stream-K (group_units = k_tiles): the grid is as large as fits on the GPU
 //   at once, so every SM has the same work and there is no partial last wave;
 //   a CTA covers some groups whole and at most two in part;
@@ -129,7 +129,6 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
-    int splits,
     float* __restrict__ workspace, int* __restrict__ counters) {
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
@@ -142,14 +141,14 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // one computes: gemm.py pads so that ranges start at group boundaries when
   // whole split-K segments beat stream-K.
   auto range_start = [&](int c) { return c * q + min(c, rem); };
-  // With whole split-K segments (splits > 0, gridDim.x = groups * splits) the
-  // launch order runs group-fastest (CTA b does segment b / groups of group
-  // b % groups), which measured 5% faster than segment-fastest.
-  const int cta = splits > 0 ? (blockIdx.x % (gridDim.x / splits)) * splits +
-                                   blockIdx.x / (gridDim.x / splits)
-                             : (int)blockIdx.x;
+  // Stream-K launches (CTAs, 1); split K launches (groups, splits), so
+  // CTA (x, y) is segment y of group x and the launch order runs
+  // group-fastest (measured 5% faster than segment-fastest). No integer
+  // divisions on the way to the first load (each is a ~25-instruction chain).
+  const bool split_k = gridDim.y > 1;
+  const int cta = blockIdx.x * gridDim.y + blockIdx.y;
   const int u_begin = range_start(cta), u_end = range_start(cta + 1);
-  // The CTA whose range holds unit v (ranges are never empty: gridDim.x <= units).
+  // The CTA whose range holds unit v (ranges are never empty: ctas <= units).
   auto cta_of = [&](int v) {
     const int big = rem * (q + 1);
     return v < big ? v / (q + 1) : rem + (v - big) / q;
@@ -165,7 +164,7 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // of grp (tile index base[r] + K tile); seg_more: another segment (the
   // next group's, from its K tile 0, tile index next_base[r]) follows in
   // this CTA; its first activation buffer is seg_buf0.
-  int u = u_begin, grp = u_begin / group_units;
+  int u = u_begin, grp = split_k ? (int)blockIdx.x : u_begin / group_units;
   int kt = u_begin - grp * group_units;
   int seg_kt0 = 0, seg_n = 0, seg_buf0 = 0;
   bool seg_more = false;
@@ -309,9 +308,10 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
           for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
         // The group's CTAs in order (deterministic); a counted loop, so the
         // loads of several partials are in flight at once.
-        const int c_last = cta_of(g_begin + k_tiles - 1);
+        const int c_first = split_k ? seg_grp * (int)gridDim.y : cta_of(g_begin);
+        const int c_last = split_k ? c_first + (int)gridDim.y - 1 : cta_of(g_begin + k_tiles - 1);
 #pragma unroll (M_TILES * RPW <= 2 ? 4 : 1)
-        for (int c = cta_of(g_begin); c <= c_last; ++c) {
+        for (int c = c_first; c <= c_last; ++c) {
           const float* part = slot_part(c, r);
 #pragma unroll
           for (int mt = 0; mt < M_TILES; ++mt) {

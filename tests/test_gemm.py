@@ -150,7 +150,7 @@ def _segments_of(groups: int, k_tiles: int, slots: int):
     """The segments each CTA of gemm_mma.cu walks, for gemm.py's chosen split."""
     from kbit_cupy.gemm import _work_split
 
-    group_units, ctas, splits = _work_split(groups, k_tiles, slots)
+    group_units, ctas, splits = _work_split(groups, k_tiles, slots, max(1, slots // 5))
     units = groups * group_units
     q, rem = divmod(units, ctas)
 
@@ -161,13 +161,10 @@ def _segments_of(groups: int, k_tiles: int, slots: int):
         big = rem * (q + 1)
         return v // (q + 1) if v < big else rem + (v - big) // q
 
-    logical = []
-    for b in range(ctas):  # blockIdx.x -> logical CTA, as the kernel maps it
-        if splits > 0:
-            per_split = ctas // splits
-            logical.append((b % per_split) * splits + b // per_split)
-        else:
-            logical.append(b)
+    # launch order -> logical CTA, as gemm.py launches and the kernel maps it:
+    # grid (groups, splits) for split K, (ctas, 1) otherwise; x runs fastest
+    gx, gy = (groups, splits) if splits > 1 else (ctas, 1)
+    logical = [x * gy + y for y in range(gy) for x in range(gx)]
     segs = []  # (cta, group, kt0, kt1, slot)
     for c in logical:
         u, u_end = range_start(c), range_start(c + 1)
