@@ -320,7 +320,7 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
-# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_37891e0_*.json
+# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_d9006df_*.json
 # (7 layers, M 1..1024, k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py):
 # mma won up to M = 192 on 8192x57344 (N >= 32768), up to 128 on layers with
 # N >= 16384 or K_dim >= 8192, up to 96 on 4096x6144 and up to 48..64 on the
@@ -369,7 +369,6 @@ def _counters(n: int):
 
 
 _STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the load model)
-_SPLIT_BY_SM_LOAD = 1  # 0: the 37891e0 rule (waves x tiles per CTA), for A/B
 
 
 def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, int, int]:
@@ -382,17 +381,12 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, i
     over ``slots`` CTAs (``slots``: CTAs resident at once on ``sms`` SMs);
     most CTAs end two segments and store partial tiles. The choice minimises
     the tiles the busiest SM runs: CTAs per SM x tiles per CTA (plus
-    _STREAM_K_SLACK per stream-K CTA); ties go to more CTAs.
+    _STREAM_K_SLACK per stream-K CTA); ties go to more CTAs. Measured on
+    the H100 against waves x tiles per CTA (d9006df): 14336x4096 M=1 +7%,
+    4096x6144 +4..10%, 28672x8192 -2..+1%.
     """
     units = groups * k_tiles
     ctas = min(units, slots)
-    if not _SPLIT_BY_SM_LOAD:
-        s = max(1, min(k_tiles, slots // groups))
-        per = math.ceil(k_tiles / s)
-        s = math.ceil(k_tiles / per)
-        if math.ceil(units / ctas) + 1 < math.ceil(groups * s / slots) * per:
-            return k_tiles, ctas, 0
-        return s * per, groups * s, s
     best = None
     for s in range(1, max(1, min(k_tiles, slots // groups)) + 1):
         per = math.ceil(k_tiles / s)

@@ -127,7 +127,7 @@ def test_auto_dispatch_against_the_committed_sweep():
     from kbit_cupy.gemm import choose_kernel
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    paths = sorted(results.glob("gemm_sweep_h100_37891e0_*.json"))
+    paths = sorted(results.glob("gemm_sweep_h100_d9006df_*.json"))
     assert len(paths) == 2
     worst = 1.0
     for path in paths:
