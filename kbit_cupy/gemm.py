@@ -13,6 +13,7 @@ FORMAT.md layout exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -371,6 +372,7 @@ def _counters(n: int):
 _STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the load model)
 
 
+@functools.cache  # pure, and on every launch's host path
 def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, int, int]:
     """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
     for stream-K).

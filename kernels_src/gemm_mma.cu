@@ -4,8 +4,8 @@
 // the weight tile is operand A (16 rows of W), the activations operand B
 // (8 rows of A per n8 tile, M_TILES tiles), fp32 accumulators. A warp owns one
 // 16-row tile of W (RPW of them) and a range of 256-wide K tiles (a segment,
-// see "Work split" below); it decodes each weight once and feeds it to every n8 tile, so decode cost does not
-// grow with M.
+// see "Work split" below); it decodes each weight once and feeds it to every
+// n8 tile, so decode cost does not grow with M.
 //
 // Weight layout (made once by kbit_cupy/gemm.py:repack_for_gemm): for row
 // tile rt and K tile kt, lane l = 4g + t holds 128 k-bit indices as one bit
@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     }
   };
 
-  // One unit (K tile kt of group grp): weights and scale words in (w, raw),
+  // Tile i of the current segment: weights and scale words in (w, raw),
   // the next unit's (the next K tile, or the next group's first) loaded into
   // (w_next, raw_next) meanwhile, so the pipeline runs across segments.
   auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
