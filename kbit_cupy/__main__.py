@@ -206,13 +206,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="path prefix for .json and .md results")
     p.set_defaults(func=cmd_bench_format)
     from .bench_gemm import DEFAULT_M, DEFAULT_SHAPES
+    from .gemm import KERNELS
 
     for name in ("bench", "bench-gemm"):
         p = sub.add_parser(name, help=cmd_bench_gemm.__doc__)
         p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="layers as K_dimxN")
         p.add_argument("--m", nargs="+", type=int, default=DEFAULT_M)
         p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
-        p.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "dequant"])
+        p.add_argument("--kernels", nargs="+", default=["auto"], choices=list(KERNELS))
         p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
         p.add_argument("--reps", type=int, default=20)
         p.add_argument("--out", default=None, help="path prefix for .json and .md results")

@@ -103,10 +103,23 @@ def all_variants() -> list[Variant]:
                     for m_tiles in GEMM_M_TILES:
                         for rpw in (1, 2) if m_tiles >= 4 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, rpw)))
+                    for m_tiles in GEMM_WG_M_TILES:
+                        out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, True)))
     return out
 
 
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
+GEMM_WG_M_TILES = (8, 16)  # the same for the wgmma path (gemm_mma<..., WG=true>: M <= 64, 128)
+
+
+def needs_sm90a(family: str, args: tuple) -> bool:
+    """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu)."""
+    return family == "gemm_mma" and len(args) == 6 and args[5] is True
+
+
+def variants_for(arch: str) -> list[Variant]:
+    """The variants the compile check builds for ``arch`` (sm_90a-only ones need it)."""
+    return [v for v in all_variants() if arch == "sm_90a" or not needs_sm90a(v.family, v.args)]
 
 
 # --------------------------------------------------------------------------
@@ -158,9 +171,12 @@ def get_kernel(family: str, *template_args):
     kernel = _kernels.get(key)
     if kernel is None:
         name = kernel_name(family, *template_args)
-        module = cupy.RawModule(
-            code=render_source(family), options=compile_options(), name_expressions=[name]
-        )
+        options = compile_options()
+        if needs_sm90a(family, template_args):
+            # NVRTC keeps the "a" of any -arch it is given (NOTES-cupy-nvrtc.md),
+            # so CuPy's own -arch=sm_90 that follows still builds for sm_90a.
+            options = (*options, "-arch=sm_90a")
+        module = cupy.RawModule(code=render_source(family), options=options, name_expressions=[name])
         kernel = module.get_function(name)
         _kernels[key] = kernel
         _note_compiled(name)
@@ -279,7 +295,10 @@ def compile_check(archs: list[str], variants: list[Variant] | None = None) -> li
     families = sorted({v.family for v in variants})
     for arch in archs:
         for family in families:
-            members = [v for v in variants if v.family == family]
+            members = [v for v in variants if v.family == family
+                       and (arch == "sm_90a" or not needs_sm90a(v.family, v.args))]
+            if not members:
+                continue
             options = [*compile_options(), "-ftz=true", f"-arch={arch}", "--ptxas-options=-v"]
             ok, log, lowered = _nvrtc_compile(render_source(family), [v.name for v in members], options)
             stats = _parse_ptxas(log)

@@ -28,9 +28,11 @@ ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
 BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
-KERNELS = ("auto", "mma", "dequant")
+KERNELS = ("auto", "mma", "wgmma", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
+_WG_MAX_M = 8 * max(_jit.GEMM_WG_M_TILES)  # rows of A per wgmma launch
 _WARPS = 4  # per gemm_mma CTA
+_WG_WARPS = 8  # per wgmma CTA: two warpgroups
 _CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
 
 
@@ -278,8 +280,10 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         weight must be in the same place). Non-contiguous A is copied.
     weight : a ``KbitWeight`` of shape ``[N, K_dim]``.
     out : optional C-contiguous ``[..., N]`` array of A's dtype and module.
-    kernel : ``"auto"``, ``"mma"`` (tensor-core fused kernel) or ``"dequant"``
-        (dequantize to a scratch weight, then cuBLAS); ignored for NumPy A.
+    kernel : ``"auto"``, ``"mma"`` (fused kernel, mma.sync, sm_80+),
+        ``"wgmma"`` (fused kernel, Hopper wgmma; sm_90 GPUs only) or
+        ``"dequant"`` (dequantize to a scratch weight, then cuBLAS); ignored
+        for NumPy A.
 
     Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the
     same GPU give the same bits on every call.
@@ -287,7 +291,8 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     Raises TypeError (A not fp16/bf16, e.g. fp32: cast it; A and weight in
     different places; ``out`` in another module; weight not a KbitWeight) and
     ValueError (A's last dimension is not K_dim; ``out`` shape, dtype or
-    layout; unknown ``kernel``; A and weight on different GPUs).
+    layout; unknown ``kernel``; ``kernel="wgmma"`` on a GPU other than sm_90;
+    A and weight on different GPUs).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -304,6 +309,8 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         C2[...] = (A2.astype(np.float32) @ w.T).astype(A.dtype)
         return C
     choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, A.dtype)
+    if choice == "wgmma" and not has_wgmma():
+        raise ValueError("kernel='wgmma' needs a Hopper GPU (sm_90: H100, H200); use 'mma' or 'auto'")
     A2 = xp.ascontiguousarray(A2)
     if A2.data.ptr % 16:
         A2 = A2.copy()
@@ -314,10 +321,52 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         xp.matmul(A2, w.T, out=C2)
         return C
     weight.prepare()
-    for m0 in range(0, M, _MMA_MAX_M):
-        m1 = min(M, m0 + _MMA_MAX_M)
-        _launch_mma(A2[m0:m1], weight, C2[m0:m1])
+    wg = choice == "wgmma"
+    if wg:
+        A2 = _permute_for_wgmma(A2)
+    step = _WG_MAX_M if wg else _MMA_MAX_M
+    for m0 in range(0, M, step):
+        m1 = min(M, m0 + step)
+        _launch_mma(A2[m0:m1], weight, C2[m0:m1], wg)
     return C
+
+
+def has_wgmma() -> bool:
+    """Whether the current GPU runs the wgmma kernel (compute capability 9.0)."""
+    import cupy as cp
+
+    return cp.cuda.Device().compute_capability == "90"
+
+
+_perm_cache: dict[tuple[int, int], object] = {}
+
+
+def wgmma_pair_permutation(K_dim: int) -> np.ndarray:
+    """Source column pair of each column pair of the wgmma kernel's activations.
+
+    The tile layout feeds thread ``t`` of an mma the columns ``8t .. 8t+7`` of
+    each 32-column block (k-slots ``2t, 2t+1, 2t+8, 2t+9`` of its two 16-wide
+    steps); wgmma reads activations in k order, so they are permuted the same
+    way: pair ``8s + 4h + t`` of a block is the pair ``4t + 2s + h``.
+    """
+    lp = np.arange(16)
+    s, h, t = lp >> 3, (lp >> 2) & 1, lp & 3
+    within = 4 * t + 2 * s + h
+    blocks = np.arange(K_dim // BLOCK)[:, None] * 16
+    return (blocks + within[None, :]).reshape(-1).astype(np.int32)
+
+
+def _permute_for_wgmma(A2):
+    """A copy of ``A2`` ``[M, K_dim]`` with wgmma_pair_permutation applied."""
+    import cupy as cp
+
+    K_dim = A2.shape[1]
+    key = (cp.cuda.Device().id, K_dim)
+    perm = _perm_cache.get(key)
+    if perm is None:
+        perm = _perm_cache[key] = cp.asarray(wgmma_pair_permutation(K_dim))
+    pairs = A2.view(cp.uint32)
+    return cp.ascontiguousarray(pairs[:, perm]).view(A2.dtype)
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
@@ -403,39 +452,50 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, i
     return s * per, groups * s, s
 
 
-def _launch_mma(A, weight: KbitWeight, C) -> None:
+def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
+    """One launch of gemm_mma.cu for up to 64 rows of A (wg: the wgmma path,
+    up to 128 rows, A permuted by _permute_for_wgmma)."""
     import cupy as cp
 
     M = A.shape[0]
     N, K_dim = weight.shape
-    m_tiles = next(t for t in _jit.GEMM_M_TILES if 8 * t >= M)
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
-    # Two row tiles per warp where there are row tiles to spare (measured:
-    # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
-    per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
-    kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name, m_tiles,
-                           per_warp)
+    if wg:
+        m_tiles = next(t for t in _jit.GEMM_WG_M_TILES if 8 * t >= M)
+        per_warp, warps = 1, _WG_WARPS
+        kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
+                               m_tiles, 1, True)
+    else:
+        m_tiles = next(t for t in _jit.GEMM_M_TILES if 8 * t >= M)
+        # Two row tiles per warp where there are row tiles to spare (measured:
+        # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
+        per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
+        warps = _WARPS
+        kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
+                               m_tiles, per_warp)
     shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # double-buffered activations
+    if wg:
+        shared += 1024  # the kernel aligns the stages to 1024 bytes (wgmma's swizzle)
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
         kern.max_dynamic_shared_size_bytes = shared
     # Work split (gemm_mma.cu, "Work split"): units of (group, K tile), one
     # contiguous range per CTA, at most as many CTAs as are resident at once.
-    groups = math.ceil(rt_n / (_WARPS * per_warp))
+    groups = math.ceil(rt_n / (warps * per_warp))
     key = (id(kern), shared)
     if key not in _resident_cache:
-        _resident_cache[key] = _resident_ctas(kern, _WARPS * 32, kern.shared_size_bytes + shared)
+        _resident_cache[key] = _resident_ctas(kern, warps * 32, kern.shared_size_bytes + shared)
     group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * _resident_cache[key],
                                             _sm_count())
     units = groups * group_units
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
     # fp32 partials of split groups: two slots per CTA (its first and last group)
-    workspace = cp.empty(2 * ctas * _WARPS * per_warp * m_tiles * 32 * 4, dtype=cp.float32)
+    workspace = cp.empty(2 * ctas * warps * per_warp * m_tiles * 32 * 4, dtype=cp.float32)
     counters = _counters(rt_n)
     grid = (groups, splits) if splits > 1 else (ctas, 1)  # gemm_mma.cu: CTA (group, segment)
-    kern(grid, (_WARPS * 32,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
+    kern(grid, (warps * 32,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
                                    np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(group_units),
                                    np.int32(units // ctas),
                                    np.int32(units % ctas),

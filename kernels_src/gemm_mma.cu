@@ -44,7 +44,25 @@
 // up the K tiles done, and the warp that completes them adds the slots of the
 // group's CTAs in CTA order and writes C, so results are deterministic. The
 // next unit's loads run across segment ends.
+//
+// Hopper path (template argument WG = true, compiled for sm_90a only): the
+// same layout, decode, work split and reduction, with the multiply issued as
+// wgmma.mma_async: C^T = W A^T,
+// the decoded weights are operand A in registers (each warp's 16-row tile in
+// the m16n8k16 A-fragment order, which is wgmma's per-warp order too), the
+// activations operand B read by the tensor cores from shared memory, and the
+// batch M is wgmma's N (8 * M_TILES = 64 or 128 per launch). A CTA is two
+// warpgroups (8 warps, one row tile each) sharing the staged activations.
+// wgmma is asynchronous: block j's multiply runs while block j + 1 decodes.
+//
+// The weight layout permutes k inside each 32-column block (thread t's
+// k-slots map to columns 8t .. 8t+7). mma.sync reads its B
+// fragments per thread, so the permutation costs nothing there; wgmma reads B
+// in k order, so gemm.py hands this kernel a copy of A with the same
+// permutation applied (pairs of columns: logical pair 8s + 4h + t of a block
+// is column pair 4t + 2s + h).
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace kbit {
 
@@ -124,12 +142,15 @@ template <> struct ScaleWord<__half> {
 // RPW: row tiles per warp. With many n8 tiles the activation fragments
 // (shared-memory reads) dominate, so on layers with enough row tiles a warp
 // reuses each one for two row tiles (gemm.py chooses).
-template <int K, typename T, typename TScale, int M_TILES, int RPW>
-__global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
+// WG = true: the Hopper path (see the header; sm_90a only): two warpgroups,
+// RPW = 1, A already permuted, the staged activations in wgmma's layout.
+template <int K, typename T, typename TScale, int M_TILES, int RPW, bool WG = false>
+__global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
     float* __restrict__ workspace, int* __restrict__ counters) {
+  static_assert(!WG || (RPW == 1 && (M_TILES == 8 || M_TILES == 16)), "wgmma: N = 64 or 128");
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
@@ -209,8 +230,18 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
   // past K_dim are zero-filled). Row r's 16-byte chunk c sits at c ^ 4*(r&1):
   // the 8 lanes of one LDS.128 phase (rows g, g+1; chunks 4j..4j+3) hit
   // distinct banks.
-  extern __shared__ uint4 x_stage[];  // [2][8 * M_TILES][32]
+  // WG: wgmma reads B = A^T from shared memory itself, in its 128-byte
+  // swizzle layout (K-major): four 64-column slabs of 8 * M_TILES rows of 128
+  // bytes, chunk c of row r at c ^ (r & 7), each slab 1024-byte aligned (the
+  // dynamic buffer is aligned at run time; gemm.py adds 1 KB).
+  extern __shared__ uint4 x_stage[];  // [2][8 * M_TILES][32] (WG: from x_stage + x_align)
+  const int x_align =
+      WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
   constexpr int kStageChunks = 8 * M_TILES * 32;
+  auto x_chunk = [&](int row, int c) {  // chunk c (16 bytes) of staged row `row`
+    if constexpr (WG) return (c >> 3) * (8 * M_TILES * 8) + row * 8 + ((c & 7) ^ (row & 7));
+    return row * 32 + (c ^ ((row & 1) << 2));
+  };
   auto load_x = [&](int kt_l, int buf) {
     const int rows = min(M, 8 * M_TILES);  // rows past M are never read
     for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
@@ -219,12 +250,21 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
       const bool valid = row < M && col < K_dim;
       const T* src = valid ? A + (long long)row * K_dim + col : A;
       const unsigned dst = (unsigned)__cvta_generic_to_shared(
-          x_stage + buf * kStageChunks + row * 32 + (c ^ ((row & 1) << 2)));
+          x_stage + x_align + buf * kStageChunks + x_chunk(row, c));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                    "r"(valid ? 16 : 0));
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
+  if constexpr (WG) {
+    // wgmma reads every staged row: rows past M hold zeros (the columns of C
+    // they feed are never stored, but they are not left uninitialised).
+    for (int i = threadIdx.x; i < 2 * (8 * M_TILES - min(M, 8 * M_TILES)) * 32; i += blockDim.x) {
+      const int per = (8 * M_TILES - min(M, 8 * M_TILES)) * 32;
+      const int buf = i / per, row = M + (i % per) / 32, c = i % 32;
+      x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
   if (u_begin < u_end) {
     load_x(kt, 0);
     int idx[RPW];
@@ -343,6 +383,7 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
     const int buf = (seg_buf0 ^ i) & 1;
     const uint4* const x_even = x_stage + buf * kStageChunks + g * 32 + t + 4 * (g & 1);
+    const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
     const uint4* const x_odd = x_even - 8 * (g & 1);
     const bool in_seg = i + 1 < seg_n;
     const bool has_next = in_seg || seg_more;
@@ -353,6 +394,7 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
     } else {
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
+    if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
     __syncthreads();  // tile kt's activations are in x_stage[buf]
     // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
     unsigned sw_lo[RPW][2 * ScaleWord<TScale>::kBytes / 4], sw_hi[RPW][2 * ScaleWord<TScale>::kBytes / 4];
@@ -411,6 +453,29 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
           }
         }
       }
+      if constexpr (WG) {
+        // Both 16-wide slabs of block j in one commit group; they run while
+        // the next block decodes. Slab s is k16 step 2j + s of the tile: 64-column
+        // slab (2j + s) / 4 of the stage, 32 bytes per step within it.
+        unsigned a[2][4];
+#pragma unroll
+        for (int slab = 0; slab < 2; ++slab) {
+          a[slab][0] = wp[0][0][2 * slab];
+          a[slab][1] = wp[0][1][2 * slab];
+          a[slab][2] = wp[0][0][2 * slab + 1];
+          a[slab][3] = wp[0][1][2 * slab + 1];
+        }
+        wgmma_fence(a);
+#pragma unroll
+        for (int slab = 0; slab < 2; ++slab) {
+          const int step = 2 * j + slab;
+          Wgmma<T, 8 * M_TILES>::run(
+              acc[0], a[slab],
+              wgmma_desc_sw128(x_base + buf * (kStageChunks * 16) +
+                               (step >> 2) * (8 * M_TILES * 128) + (step & 3) * 32));
+        }
+        wgmma_commit();
+      } else {
       // Activations: row m = 8*mt + g, columns 8t .. 8t+7 of block j. Slab 0
       // is columns 8t+0..3, slab 1 is 8t+4..7 (k-slots 2t,2t+1 | 2t+8,2t+9).
 #pragma unroll
@@ -436,6 +501,11 @@ __global__ void __launch_bounds__(128, 1) kbit_gemm_mma(
           }
         }
       }
+      }  // WG
+    }
+    if constexpr (WG) {
+      wgmma_wait<0>();  // the tensor cores are done with x_stage[buf] and acc
+      fence_acc<M_TILES>(acc[0]);
     }
     __syncthreads();  // everyone is done with x_stage[buf] before it is refilled
   };

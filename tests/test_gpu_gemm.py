@@ -19,9 +19,18 @@ TOL = {np.dtype(np.float16): 2e-3, BFLOAT16: 1e-2}
 DTYPES = [np.float16, BFLOAT16]
 
 
+def needs_kernel(kernel):
+    """Skip the wgmma kernel's cases on GPUs other than sm_90."""
+    from kbit_cupy.gemm import has_wgmma
+
+    if kernel == "wgmma" and not has_wgmma():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+
+
 def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
     import cupy as cp
 
+    needs_kernel(kernel)
     rng = np.random.default_rng(seed)
     W = rng.standard_normal((N, K_dim)).astype(np.float32)
     A = rng.standard_normal((M, K_dim)).astype(np.dtype(dtype))
@@ -37,26 +46,29 @@ def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
     return w, A, C
 
 
-@pytest.mark.parametrize("kernel", ["mma", "dequant", "auto"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "dequant", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_small_sweep(kernel, dtype, k):
     for M, N, K_dim in [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 64, 288),
                         (8, 4096, 256), (1, 127, 4096),
-                        (33, 8449, 256), (64, 8470, 96)]:  # two row tiles per warp, odd count
+                        (33, 8449, 256), (64, 8470, 96),  # two row tiles per warp, odd count
+                        (128, 300, 512), (129, 1000, 160)]:  # wgmma: 128 rows, two launches
         run_case(M, N, K_dim, k, dtype, kernel)
 
 
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_formats(fmt, dtype):
-    for M in (1, 16, 64):
-        run_case(M, 129, 512, 4, dtype, "mma", fmt=fmt)
+def test_scale_formats(kernel, fmt, dtype):
+    for M in (1, 16, 64, 100):
+        run_case(M, 129, 512, 4, dtype, kernel, fmt=fmt)
 
 
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 40])
-def test_every_e4m4_code(dtype, M):
+def test_every_e4m4_code(kernel, dtype, M):
     """Row r of W has every block's absmax equal to E4M4 code r's value, so all
     256 codes (the 15 subnormal ones included) reach the kernel's scale decode;
     each row of W's products must match float64 on its own (a code decoded to zero or to
@@ -68,6 +80,7 @@ def test_every_e4m4_code(dtype, M):
 
     from kbit_cupy.format import decode_absmax_e4m4
 
+    needs_kernel(kernel)
     rng = np.random.default_rng(5)
     K_dim = 256
     values = decode_absmax_e4m4(np.arange(256, dtype=np.uint8)).astype(np.float32)
@@ -78,7 +91,7 @@ def test_every_e4m4_code(dtype, M):
     np.testing.assert_array_equal(cp.asnumpy(w.absmax).reshape(256, -1),
                                   np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, 1))
     A = rng.standard_normal((M, K_dim)).astype(np.dtype(dtype))
-    C = cp.asnumpy(kbit_gemm(cp.asarray(A), w, kernel="mma")).astype(np.float64)
+    C = cp.asnumpy(kbit_gemm(cp.asarray(A), w, kernel=kernel)).astype(np.float64)
     eff = cp.asnumpy(w.dequantize(np.float32)).astype(np.dtype(dtype)).astype(np.float64)
     ref = A.astype(np.float64) @ eff.T
     assert not C[:, 0].any()  # code 0: the block is zero
@@ -103,6 +116,10 @@ def test_wide_sweep(dtype, k):
         run_case(M, N, K_dim, k, dtype, "auto", seed=int(i))
         if M <= 64:
             run_case(M, N, K_dim, k, dtype, "mma", seed=int(i))
+        from kbit_cupy.gemm import has_wgmma
+
+        if has_wgmma():
+            run_case(M, N, K_dim, k, dtype, "wgmma", seed=int(i))
 
 
 @pytest.mark.parametrize("M", [1, 8, 40])
@@ -116,19 +133,22 @@ def test_deterministic_with_split_k(M):
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
-@pytest.mark.parametrize("M", [1, 17, 64])
-def test_both_work_splits(monkeypatch, split, M):
+@pytest.mark.parametrize("M", [1, 17, 64, 128])
+def test_both_work_splits(monkeypatch, kernel, split, M):
     """Forced stream-K (CTAs ending two segments, partials across group ends)
     and forced split K, each exact to the reference and deterministic."""
     import cupy as cp
 
     from kbit_cupy import gemm
 
+    if kernel == "mma" and M > 64:
+        pytest.skip("the mma kernel takes 64 rows per launch")
     monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
-    for N, K_dim, k in [(2048, 8192, 4), (1040, 4352, 3), (4096, 2048, 2)]:
-        w, A, C = run_case(M, N, K_dim, k, np.float16, "mma")
-        again = kbit_gemm(cp.asarray(A), w, kernel="mma")
+    for N, K_dim, k in [(2048, 8192, 4), (1040, 4352, 3), (4096, 2048, 2), (3000, 2048, 5)]:
+        w, A, C = run_case(M, N, K_dim, k, np.float16, kernel)
+        again = kbit_gemm(cp.asarray(A), w, kernel=kernel)
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
