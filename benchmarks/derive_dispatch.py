@@ -1,9 +1,11 @@
 """Derive kbit_gemm's kernel="auto" table from a committed bench-gemm sweep.
 
 usage: python benchmarks/derive_dispatch.py benchmarks/results/gemm_sweep_*.json
-For every (layer, k, dtype) prints the largest M at which the mma kernel beat
-dequantize + cuBLAS, then checks kbit_cupy.gemm.choose_kernel against every
-measured point and reports the slowdown of each wrong choice.
+For every (layer, k, dtype) prints the fastest kernel at each M, for a GPU
+without the wgmma kernel (mma against dequantize + cuBLAS) and, where the
+sweep has wgmma records, for an sm_90 GPU (all three); then checks
+kbit_cupy.gemm.choose_kernel against every measured point and reports the
+slowdown of each wrong choice.
 """
 
 import json
@@ -11,24 +13,32 @@ import sys
 
 from kbit_cupy.gemm import choose_kernel
 
-worst = 1.0
+worst = {False: 1.0, True: 1.0}
 for path in sys.argv[1:]:
     with open(path) as f:
         data = json.load(f)
     times = {}
     for r in data["records"]:
         times[(r["K_dim"], r["N"], r["M"], r["k"], r["dtype"], r["kernel"])] = r["time_us"]
-    points = sorted({key[:5] for key in times if key[5] in ("mma", "dequant")})
+    points = sorted({key[:5] for key in times if key[5] == "mma"})
     layers = sorted({(p[0], p[1], p[3], p[4]) for p in points})
-    for K_dim, N, k, dtype in layers:
-        ms = sorted(p[2] for p in points if p[:2] == (K_dim, N) and p[3:] == (k, dtype))
-        wins = [M for M in ms if times[(K_dim, N, M, k, dtype, "mma")] < times[(K_dim, N, M, k, dtype, "dequant")]]
-        print(f"{dtype:<9} {K_dim:>5}x{N:<6} k={k}: mma wins up to M={max(wins) if wins else 0}")
-    for K_dim, N, M, k, dtype in points:
-        t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "dequant")}
-        chosen = choose_kernel(M, N, K_dim, k, dtype)
-        loss = t[chosen] / min(t.values())
-        worst = max(worst, loss)
-        if loss > 1.0:
-            print(f"  auto picks {chosen:<7} at {K_dim}x{N} M={M} k={k} {dtype}: {loss:.2f}x the best")
-print(f"worst auto choice: {worst:.2f}x the best measured kernel")
+    has_wg = any(key[5] == "wgmma" for key in times)
+    for wg in (False, True) if has_wg else (False,):
+        kernels = ("mma", "wgmma", "dequant") if wg else ("mma", "dequant")
+        print(f"== {'sm_90 (mma, wgmma, dequant)' if wg else 'other GPUs (mma, dequant)'}")
+        for K_dim, N, k, dtype in layers:
+            ms = sorted(p[2] for p in points if p[:2] == (K_dim, N) and p[3:] == (k, dtype))
+            best = []
+            for M in ms:
+                t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in kernels}
+                best.append(f"{M}:{min(t, key=t.get)[0]}")
+            print(f"{dtype:<9} {K_dim:>5}x{N:<6} k={k}: " + " ".join(best))
+        for K_dim, N, M, k, dtype in points:
+            t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in kernels}
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=wg)
+            loss = t[chosen] / min(t.values())
+            worst[wg] = max(worst[wg], loss)
+            if loss > 1.05:
+                print(f"  auto picks {chosen:<7} at {K_dim}x{N} M={M} k={k} {dtype}: {loss:.2f}x the best")
+for wg, w in worst.items():
+    print(f"worst auto choice ({'sm_90' if wg else 'other GPUs'}): {w:.2f}x the best measured kernel")

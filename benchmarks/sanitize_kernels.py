@@ -28,22 +28,25 @@ if args.stream_k:
     gemm._STREAM_K_SLACK = -10**6
 
 rng = np.random.default_rng(0)
+fused = ("mma", "wgmma") if kc.gemm.has_wgmma() else ("mma",)  # the fused kernels this GPU runs
 shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),
-          (1, 768, 14336), (64, 17, 4096), (33, 8449, 256), (64, 1024, 4096)]
+          (1, 768, 14336), (64, 17, 4096), (33, 8449, 256), (64, 1024, 4096), (128, 700, 1024),
+          (200, 96, 64)]
 if args.quick:
-    shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96)]
+    shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96), (128, 700, 1024)]
 count = 0
-if args.stream_k:  # the mma kernel only, on shapes whose CTAs cross group ends
+if args.stream_k:  # the fused kernels only, on shapes whose CTAs cross group ends
     for k in (2, 3, 4, 5):
         for dtype in (np.float16, BFLOAT16):
-            for M, N, K_dim in [(64, 512, 4608), (5, 1024, 2048), (1, 7, 96)]:
+            for M, N, K_dim in [(64, 512, 4608), (5, 1024, 2048), (1, 7, 96), (128, 1000, 2304)]:
                 # quantized on the host: the sanitizer looks at the product
                 W = rng.standard_normal((N, K_dim)).astype(np.float32)
                 w = kc.quantize_weight(W, k=k).to_device()
                 A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float32)).astype(dtype)
-                C = kc.kbit_gemm(A, w, kernel="mma")
-                assert bool(cp.isfinite(C.astype(cp.float32)).all())
-                count += 1
+                for kernel in fused:
+                    C = kc.kbit_gemm(A, w, kernel=kernel)
+                    assert bool(cp.isfinite(C.astype(cp.float32)).all())
+                    count += 1
     print(f"ran {count} cases")
     raise SystemExit(0)
 for k in (2, 3, 4, 5):
@@ -53,7 +56,7 @@ for k in (2, 3, 4, 5):
                 W = cp.asarray(rng.standard_normal((N, K_dim)).astype(np.float32)).astype(dtype)
                 w = kc.quantize_weight(W, k=k, absmax_format=fmt)
                 A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float32)).astype(dtype)
-                for kernel in ("mma",) if args.no_cublas else ("mma", "dequant"):
+                for kernel in fused if args.no_cublas else (*fused, "dequant"):
                     C = kc.kbit_gemm(A, w, kernel=kernel)
                     assert bool(cp.isfinite(C.astype(cp.float32)).all())
                     count += 1

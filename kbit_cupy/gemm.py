@@ -32,7 +32,7 @@ KERNELS = ("auto", "mma", "wgmma", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
 _WG_MAX_M = 8 * max(_jit.GEMM_WG_M_TILES)  # rows of A per wgmma launch
 _WARPS = 4  # per gemm_mma CTA
-_WG_WARPS = 8  # per wgmma CTA: two warpgroups
+_WG_WARPGROUPS = None  # override of _jit.gemm_wg_warpgroups (for A/B runs)
 _CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
 
 
@@ -331,14 +331,18 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     return C
 
 
+_wgmma_cache: dict[int, bool] = {}
+
+
 def has_wgmma() -> bool:
     """Whether the current GPU runs the wgmma kernel (compute capability 9.0)."""
     import cupy as cp
 
-    return cp.cuda.Device().compute_capability == "90"
-
-
-_perm_cache: dict[tuple[int, int], object] = {}
+    device = cp.cuda.Device()
+    found = _wgmma_cache.get(device.id)
+    if found is None:
+        found = _wgmma_cache[device.id] = device.compute_capability == "90"
+    return found
 
 
 def wgmma_pair_permutation(K_dim: int) -> np.ndarray:
@@ -357,16 +361,16 @@ def wgmma_pair_permutation(K_dim: int) -> np.ndarray:
 
 
 def _permute_for_wgmma(A2):
-    """A copy of ``A2`` ``[M, K_dim]`` with wgmma_pair_permutation applied."""
+    """A copy of ``A2`` ``[M, K_dim]`` with wgmma_pair_permutation applied
+    (kernels_src/permute_act.cu)."""
     import cupy as cp
 
-    K_dim = A2.shape[1]
-    key = (cp.cuda.Device().id, K_dim)
-    perm = _perm_cache.get(key)
-    if perm is None:
-        perm = _perm_cache[key] = cp.asarray(wgmma_pair_permutation(K_dim))
-    pairs = A2.view(cp.uint32)
-    return cp.ascontiguousarray(pairs[:, perm]).view(A2.dtype)
+    out = cp.empty_like(A2)
+    blocks = A2.size // BLOCK
+    kern = _jit.get_kernel("permute_act", A2.dtype.name)
+    grid = max(1, min(math.ceil(blocks / 256), 8 * _sm_count()))
+    kern((grid,), (256,), (A2, out, np.int64(blocks)))
+    return out
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
@@ -380,13 +384,34 @@ _AUTO_MMA_MAX_M_MID = 96  # N * K_dim >= _MID_WEIGHTS
 _AUTO_MMA_MAX_M_LARGE = 128  # N >= _WIDE_N or K_dim >= _LONG_K
 _AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N
 _MID_WEIGHTS = 1 << 24
+# sm_90: mma up to M = _AUTO_WG_MIN_M - 1, then wgmma up to these, then dequant
+_AUTO_WG_MIN_M = 17
+_AUTO_WG_MAX_M = 64
+_AUTO_WG_MAX_M_MID = 128
+_AUTO_WG_MAX_M_LARGE = 256
 _LONG_K = 8192
 _WIDE_N = 16384
 _WIDEST_N = 32768
 
 
-def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
-    """The kernel ``kernel="auto"`` runs for these sizes ("mma" or "dequant")."""
+def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None) -> str:
+    """The kernel ``kernel="auto"`` runs for these sizes ("mma", "wgmma" or "dequant").
+
+    ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
+    current device (False without a GPU).
+    """
+    if wgmma is None:
+        wgmma = _device_has_wgmma()
+    if wgmma:
+        if M <= _AUTO_WG_MIN_M - 1:
+            return "mma"
+        if N >= _WIDE_N or K_dim >= _LONG_K:
+            limit = _AUTO_WG_MAX_M_LARGE
+        elif N * K_dim >= _MID_WEIGHTS:
+            limit = _AUTO_WG_MAX_M_MID
+        else:
+            limit = _AUTO_WG_MAX_M
+        return "wgmma" if M <= limit else "dequant"
     if N >= _WIDEST_N:
         limit = _AUTO_MMA_MAX_M_WIDEST
     elif N >= _WIDE_N or K_dim >= _LONG_K:
@@ -396,6 +421,13 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype) -> str:
     else:
         limit = _AUTO_MMA_MAX_M
     return "mma" if M <= limit else "dequant"
+
+
+def _device_has_wgmma() -> bool:
+    try:
+        return has_wgmma()
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU: the question is moot
+        return False
 
 
 _counter_cache: dict[tuple[int, int], object] = {}
@@ -463,9 +495,10 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
         m_tiles = next(t for t in _jit.GEMM_WG_M_TILES if 8 * t >= M)
-        per_warp, warps = 1, _WG_WARPS
+        wgs = _WG_WARPGROUPS or _jit.gemm_wg_warpgroups(m_tiles, weight.k)
+        per_warp, warps = 1, 4 * wgs
         kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
-                               m_tiles, 1, True)
+                               m_tiles, 1, wgs)
     else:
         m_tiles = next(t for t in _jit.GEMM_M_TILES if 8 * t >= M)
         # Two row tiles per warp where there are row tiles to spare (measured:
@@ -474,9 +507,9 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
         warps = _WARPS
         kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
                                m_tiles, per_warp)
-    shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # double-buffered activations
-    if wg:
-        shared += 1024  # the kernel aligns the stages to 1024 bytes (wgmma's swizzle)
+    stage = m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # activations of one K tile
+    # mma: two stages; wgmma: three, aligned to 1024 bytes (its swizzle) by the kernel
+    shared = 3 * stage + 1024 if wg else 2 * stage
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
         kern.max_dynamic_shared_size_bytes = shared

@@ -45,14 +45,14 @@
 // group's CTAs in CTA order and writes C, so results are deterministic. The
 // next unit's loads run across segment ends.
 //
-// Hopper path (template argument WG = true, compiled for sm_90a only): the
+// Hopper path (template argument WG > 0, compiled for sm_90a only): the
 // same layout, decode, work split and reduction, with the multiply issued as
 // wgmma.mma_async: C^T = W A^T,
 // the decoded weights are operand A in registers (each warp's 16-row tile in
 // the m16n8k16 A-fragment order, which is wgmma's per-warp order too), the
 // activations operand B read by the tensor cores from shared memory, and the
-// batch M is wgmma's N (8 * M_TILES = 64 or 128 per launch). A CTA is two
-// warpgroups (8 warps, one row tile each) sharing the staged activations.
+// batch M is wgmma's N (8 * M_TILES = 8 .. 128 per launch). A CTA is WG
+// warpgroups (4 WG warps, one row tile each) sharing the staged activations.
 // wgmma is asynchronous: block j's multiply runs while block j + 1 decodes.
 //
 // The weight layout permutes k inside each 32-column block (thread t's
@@ -142,15 +142,16 @@ template <> struct ScaleWord<__half> {
 // RPW: row tiles per warp. With many n8 tiles the activation fragments
 // (shared-memory reads) dominate, so on layers with enough row tiles a warp
 // reuses each one for two row tiles (gemm.py chooses).
-// WG = true: the Hopper path (see the header; sm_90a only): two warpgroups,
-// RPW = 1, A already permuted, the staged activations in wgmma's layout.
-template <int K, typename T, typename TScale, int M_TILES, int RPW, bool WG = false>
-__global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
+// WG > 0: the Hopper path (see the header; sm_90a only) with WG warpgroups
+// per CTA, RPW = 1, A already permuted, the staged activations in wgmma's
+// layout. WG = 0: mma.sync, 4 warps.
+template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0>
+__global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
     float* __restrict__ workspace, int* __restrict__ counters) {
-  static_assert(!WG || (RPW == 1 && (M_TILES == 8 || M_TILES == 16)), "wgmma: N = 64 or 128");
+  static_assert(!WG || (RPW == 1 && M_TILES <= 16), "wgmma: N = 8 .. 128");
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
@@ -238,6 +239,9 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
   const int x_align =
       WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
   constexpr int kStageChunks = 8 * M_TILES * 32;
+  // WG: three stages, so refilling the stage of tile i - 2 needs no wait for
+  // the tensor cores at the end of every tile (see tile()).
+  constexpr int kStages = WG ? 3 : 2;
   auto x_chunk = [&](int row, int c) {  // chunk c (16 bytes) of staged row `row`
     if constexpr (WG) return (c >> 3) * (8 * M_TILES * 8) + row * 8 + ((c & 7) ^ (row & 7));
     return row * 32 + (c ^ ((row & 1) << 2));
@@ -259,7 +263,8 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
   if constexpr (WG) {
     // wgmma reads every staged row: rows past M hold zeros (the columns of C
     // they feed are never stored, but they are not left uninitialised).
-    for (int i = threadIdx.x; i < 2 * (8 * M_TILES - min(M, 8 * M_TILES)) * 32; i += blockDim.x) {
+    for (int i = threadIdx.x; i < kStages * (8 * M_TILES - min(M, 8 * M_TILES)) * 32;
+         i += blockDim.x) {
       const int per = (8 * M_TILES - min(M, 8 * M_TILES)) * 32;
       const int buf = i / per, row = M + (i % per) / 32, c = i % 32;
       x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
@@ -289,9 +294,10 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
   // l: every lane reads bank l, so one lookup per two weights costs one
   // conflict-free shared-memory wavefront, against two shuffles, two shifts
   // and a byte_perm through the lane-register table (k=5 would need 128 KB).
-  // Not for k=4 with M_TILES = 4 and one row tile per warp: there the 32 KB
-  // table drops the CTAs per SM from four to three (measured 15% slower).
-  constexpr bool kPairTable = K == 3 || (K == 4 && !(M_TILES == 4 && RPW == 1));
+  // Not for k=4 with M_TILES = 4 and one row tile per warp (mma.sync): there
+  // the 32 KB table drops the CTAs per SM from four to three (measured 15%
+  // slower).
+  constexpr bool kPairTable = K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1)));
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
   if constexpr (kPairTable) {
@@ -381,7 +387,7 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
   // (w_next, raw_next) meanwhile, so the pipeline runs across segments.
   auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
-    const int buf = (seg_buf0 ^ i) & 1;
+    const int buf = WG ? (seg_buf0 + i) % kStages : (seg_buf0 ^ i) & 1;
     const uint4* const x_even = x_stage + buf * kStageChunks + g * 32 + t + 4 * (g & 1);
     const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
     const uint4* const x_odd = x_even - 8 * (g & 1);
@@ -389,7 +395,7 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
     const bool has_next = in_seg || seg_more;
     const int next_kt = in_seg ? seg_kt0 + i + 1 : 0;
     if (has_next) {
-      load_x(next_kt, buf ^ 1);
+      load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1);
       asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
       asm volatile("cp.async.wait_group 0;\n" ::);
@@ -465,6 +471,10 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
           a[slab][2] = wp[0][0][2 * slab + 1];
           a[slab][3] = wp[0][1][2 * slab + 1];
         }
+        // At most block j - 1's multiply still runs: block j - 2's A registers
+        // are free again, so a tile needs three sets of fragments, not eight,
+        // and block j decodes while j - 1 multiplies.
+        wgmma_wait<1>();
         wgmma_fence(a);
 #pragma unroll
         for (int slab = 0; slab < 2; ++slab) {
@@ -503,11 +513,11 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
       }
       }  // WG
     }
-    if constexpr (WG) {
-      wgmma_wait<0>();  // the tensor cores are done with x_stage[buf] and acc
-      fence_acc<M_TILES>(acc[0]);
-    }
-    __syncthreads();  // everyone is done with x_stage[buf] before it is refilled
+    // Everyone is done with x_stage[buf] before it is refilled. WG: the
+    // refill at the top of tile i + 1 writes tile i - 2's stage, whose
+    // multiplies every warpgroup has waited for (wgmma_wait<1> at block 1 of
+    // tile i) before arriving here.
+    __syncthreads();
   };
   auto copy_set = [&]() {  // set 1 -> set 0
 #pragma unroll
@@ -543,8 +553,16 @@ __global__ void __launch_bounds__(WG ? 256 : 128, 1) kbit_gemm_mma(
         copy_set();
       }
     }
+    if constexpr (WG) {
+      wgmma_wait<0>();  // the segment's multiplies are in acc
+      fence_acc<M_TILES>(acc[0]);
+    }
     finish_segment(grp, seg_kt0, seg_kt0 + seg_n);
-    seg_buf0 ^= seg_n & 1;
+    if constexpr (WG) {
+      seg_buf0 = (seg_buf0 + seg_n) % kStages;
+    } else {
+      seg_buf0 ^= seg_n & 1;
+    }
     u = after;
     ++grp;
     kt = 0;

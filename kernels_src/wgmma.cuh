@@ -1,6 +1,6 @@
 // wgmma.cuh: the warpgroup matrix instructions (sm_90a) of gemm_mma.cu's
-// Hopper path (WG = true). Without the sm_90a features the helpers are empty
-// and Wgmma has no specialisations, so only the WG = false kernels compile.
+// Hopper path (WG > 0). Without the sm_90a features the helpers are empty
+// and Wgmma has no specialisations, so only the WG = 0 kernels compile.
 #pragma once
 
 namespace kbit {
@@ -24,12 +24,15 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_add
 template <typename T, int N> struct Wgmma;
 #if KBIT_HAS_WGMMA
 #define KBIT_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define KBIT_ACC16(i) KBIT_ACC4(i), KBIT_ACC4(i + 1), KBIT_ACC4(i + 2), KBIT_ACC4(i + 3)
 #define KBIT_ACC32(i)                                                                   \
   KBIT_ACC4(i), KBIT_ACC4(i + 1), KBIT_ACC4(i + 2), KBIT_ACC4(i + 3), KBIT_ACC4(i + 4), \
       KBIT_ACC4(i + 5), KBIT_ACC4(i + 6), KBIT_ACC4(i + 7)
-#define KBIT_D32                                                                         \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define KBIT_D4 "%0, %1, %2, %3"
+#define KBIT_D8 KBIT_D4 ", %4, %5, %6, %7"
+#define KBIT_D16 KBIT_D8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define KBIT_D32 \
+  KBIT_D16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define KBIT_D64                                                                          \
   KBIT_D32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
            "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
@@ -46,6 +49,13 @@ template <typename T, int N> struct Wgmma;
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));            \
     }                                                                                   \
   };
+KBIT_WGMMA(__half, "f16", 8, KBIT_D4, "{%4, %5, %6, %7}, %8", KBIT_ACC4(0))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 8, KBIT_D4, "{%4, %5, %6, %7}, %8", KBIT_ACC4(0))
+KBIT_WGMMA(__half, "f16", 16, KBIT_D8, "{%8, %9, %10, %11}, %12", KBIT_ACC4(0), KBIT_ACC4(1))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 16, KBIT_D8, "{%8, %9, %10, %11}, %12", KBIT_ACC4(0),
+           KBIT_ACC4(1))
+KBIT_WGMMA(__half, "f16", 32, KBIT_D16, "{%16, %17, %18, %19}, %20", KBIT_ACC16(0))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 32, KBIT_D16, "{%16, %17, %18, %19}, %20", KBIT_ACC16(0))
 KBIT_WGMMA(__half, "f16", 64, KBIT_D32, "{%32, %33, %34, %35}, %36", KBIT_ACC32(0))
 KBIT_WGMMA(__nv_bfloat16, "bf16", 64, KBIT_D32, "{%32, %33, %34, %35}, %36", KBIT_ACC32(0))
 KBIT_WGMMA(__half, "f16", 128, KBIT_D64, "{%64, %65, %66, %67}, %68", KBIT_ACC32(0),

@@ -34,11 +34,20 @@ KERNEL_ORDER = ((0, 0), (8, 0), (0, 8), (8, 8))
 SWAPPED_ORDER = ((0, 0), (0, 8), (8, 0), (8, 8))  # a1/a2 exchanged: the classic mistake
 
 
-def emulate(A, w, order=KERNEL_ORDER):
+def permuted_pairs(A, perm):
+    """A with column pairs reordered: pair i of the result is pair perm[i] of A."""
+    pairs = A.reshape(A.shape[0], -1, 2)
+    return pairs[:, perm].reshape(A.shape)
+
+
+def emulate(A, w, order=KERNEL_ORDER, wgmma_perm=None):
     """C = A @ dequant(W).T computed the way gemm_mma.cu does (fp16 weights, wide accumulation).
 
     ``order`` says where registers a0..a3 land in the 16x16 tile (row offset,
     k-slot offset), i.e. the m16n8k16 fragment layout the kernel assumes.
+    ``wgmma_perm``: emulate the wgmma path instead, which reads B in k order
+    from activations permuted by this pair permutation (16-wide slab s of
+    block j is columns 32j + 16s .. 32j + 16s + 15 of the permuted copy).
     """
     N, K_dim = w.shape
     k = w.k
@@ -47,6 +56,8 @@ def emulate(A, w, order=KERNEL_ORDER):
     M = A.shape[0]
     Apad = np.zeros((8 * -(-M // 8), kt_n * 256), np.float64)
     Apad[:M, :K_dim] = A.astype(np.float64)
+    if wgmma_perm is not None:
+        Apad[:M, :K_dim] = permuted_pairs(A.astype(np.float64), wgmma_perm)
     cb16 = w.codebook.astype(np.float16)
     out = np.zeros((Apad.shape[0], rt_n * 16))
     for rt in range(rt_n):
@@ -71,12 +82,17 @@ def emulate(A, w, order=KERNEL_ORDER):
                         regs = [wp[0, 2 * slab], wp[1, 2 * slab], wp[0, 2 * slab + 1], wp[1, 2 * slab + 1]]
                         for reg, (drow, dslot) in zip(regs, order):
                             Afrag[g + drow, 2 * t + dslot], Afrag[g + drow, 2 * t + dslot + 1] = reg
+                        if wgmma_perm is not None:
+                            continue
                         for mt in range(Apad.shape[0] // 8):
                             m = 8 * mt + g
                             col = kt * 256 + 32 * j + 8 * t + 4 * slab
                             x = Apad[m, col : col + 4]  # b0 = x[0:2] (slots 2t..), b1 = x[2:4] (2t+8..)
                             Bfrag[2 * t, m], Bfrag[2 * t + 1, m] = x[0], x[1]
                             Bfrag[2 * t + 8, m], Bfrag[2 * t + 9, m] = x[2], x[3]
+                    if wgmma_perm is not None:
+                        col = kt * 256 + 32 * j + 16 * slab
+                        Bfrag = Apad[:, col : col + 16].T  # wgmma: B in k order
                     out[:, rt * 16 : rt * 16 + 16] += (Afrag @ Bfrag).T
     return out[:M, :N]
 
@@ -92,6 +108,34 @@ def test_emulated_kernel_matches_reference(k, fmt):
     got = emulate(A, w)
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert err < 1e-3, err  # fp16 effective weights: about one ulp each (FORMAT.md section 7)
+
+
+@pytest.mark.parametrize("k", [2, 4, 5])
+def test_emulated_wgmma_path_matches_reference(k):
+    from kbit_cupy.gemm import wgmma_pair_permutation
+
+    rng = np.random.default_rng(10 + k)
+    N, K_dim, M = 20, 288, 3
+    w = quantize_weight(rng.standard_normal((N, K_dim)).astype(np.float32), k=k)
+    A = rng.standard_normal((M, K_dim)).astype(np.float16)
+    ref = A.astype(np.float64) @ w.dequantize(np.float32).astype(np.float64).T
+    got = emulate(A, w, wgmma_perm=wgmma_pair_permutation(K_dim))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3
+    # and it has teeth: unpermuted activations give a wrong product
+    bad = emulate(A, w, wgmma_perm=np.arange(K_dim // 2))
+    assert np.linalg.norm(bad - ref) / np.linalg.norm(ref) > 0.1
+
+
+def test_permute_act_transpose_is_the_pair_permutation():
+    # kernels_src/permute_act.cu: in each 32-column block, a 4 x 4 transpose
+    # of 4-byte words (16-byte chunk c, word t -> chunk t, word c).
+    from kbit_cupy.gemm import wgmma_pair_permutation
+
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((5, 96)).astype(np.float16)
+    words = A.view(np.uint32).reshape(5, 3, 4, 4)
+    kernel = words.transpose(0, 1, 3, 2).reshape(5, -1).view(np.float16)
+    np.testing.assert_array_equal(kernel, permuted_pairs(A, wgmma_pair_permutation(96)))
 
 
 def test_emulation_detects_a_swapped_fragment_order():
