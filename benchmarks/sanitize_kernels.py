@@ -21,7 +21,9 @@ parser.add_argument("--no-cublas", action="store_true",
                     help="skip kernel='dequant' (cuBLAS kernels report their own racecheck hazards)")
 parser.add_argument("--stream-k", action="store_true",
                     help="force the mma kernel's stream-K work split (CTAs ending two segments)")
+parser.add_argument("--only", choices=["mma", "wgmma"], help="one fused kernel (and no cuBLAS)")
 args = parser.parse_args()
+args.no_cublas = args.no_cublas or bool(args.only)
 if args.stream_k:
     from kbit_cupy import gemm
 
@@ -29,6 +31,8 @@ if args.stream_k:
 
 rng = np.random.default_rng(0)
 fused = ("mma", "wgmma") if kc.gemm.has_wgmma() else ("mma",)  # the fused kernels this GPU runs
+if args.only:
+    fused = tuple(f for f in fused if f == args.only)
 shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),
           (1, 768, 14336), (64, 17, 4096), (33, 8449, 256), (64, 1024, 4096), (128, 700, 1024),
           (200, 96, 64)]

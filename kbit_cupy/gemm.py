@@ -374,24 +374,27 @@ def _permute_for_wgmma(A2):
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
-# beyond. From the H100 sweep benchmarks/results/gemm_sweep_h100_d9006df_*.json
-# (7 layers, M 1..1024, k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py):
-# mma won up to M = 192 on 8192x57344 (N >= 32768), up to 128 on layers with
-# N >= 16384 or K_dim >= 8192, up to 96 on 4096x6144 and up to 48..64 on the
-# 2048x768 and 768x2048 layers.
+# beyond (GPUs without wgmma). From the H100 sweep
+# benchmarks/results/gemm_sweep_h100_d9006df_*.json (7 layers, M 1..1024,
+# k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py): mma won up to
+# M = 192 on 8192x57344 (N >= 32768), up to 128 on layers with N >= 16384 or
+# K_dim >= 8192, up to 96 on 4096x6144 and up to 48..64 on the 2048x768 and
+# 768x2048 layers.
 _AUTO_MMA_MAX_M = 64
 _AUTO_MMA_MAX_M_MID = 96  # N * K_dim >= _MID_WEIGHTS
 _AUTO_MMA_MAX_M_LARGE = 128  # N >= _WIDE_N or K_dim >= _LONG_K
 _AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N
 _MID_WEIGHTS = 1 << 24
-# sm_90: mma up to M = _AUTO_WG_MIN_M - 1, then wgmma up to these, then dequant
-_AUTO_WG_MIN_M = 17
-_AUTO_WG_MAX_M = 64
-_AUTO_WG_MAX_M_MID = 128
-_AUTO_WG_MAX_M_LARGE = 256
 _LONG_K = 8192
 _WIDE_N = 16384
 _WIDEST_N = 32768
+# sm_90 (wgmma): from gemm_sweep_h100_98dd872_*.json, mma then wgmma then
+# dequantize + cuBLAS. On the large layers mma won up to M = 8..16 and wgmma
+# from 16..48 to 256 (M = 1024: dequantize + cuBLAS); on 4096x6144 mma to 64,
+# wgmma at 96..128; on 2048x768 and 768x2048 wgmma never won.
+_AUTO_MMA_MAX_M_SM90_LARGE = 16
+_AUTO_WG_MAX_M_LARGE = 256
+_AUTO_WG_MAX_M_MID = 128
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None) -> str:
@@ -403,15 +406,13 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     if wgmma is None:
         wgmma = _device_has_wgmma()
     if wgmma:
-        if M <= _AUTO_WG_MIN_M - 1:
-            return "mma"
         if N >= _WIDE_N or K_dim >= _LONG_K:
-            limit = _AUTO_WG_MAX_M_LARGE
+            mma_max, wg_max = _AUTO_MMA_MAX_M_SM90_LARGE, _AUTO_WG_MAX_M_LARGE
         elif N * K_dim >= _MID_WEIGHTS:
-            limit = _AUTO_WG_MAX_M_MID
+            mma_max, wg_max = _AUTO_MMA_MAX_M, _AUTO_WG_MAX_M_MID
         else:
-            limit = _AUTO_WG_MAX_M
-        return "wgmma" if M <= limit else "dequant"
+            mma_max, wg_max = _AUTO_MMA_MAX_M, _AUTO_MMA_MAX_M  # wgmma never wins
+        return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
     if N >= _WIDEST_N:
         limit = _AUTO_MMA_MAX_M_WIDEST
     elif N >= _WIDE_N or K_dim >= _LONG_K:

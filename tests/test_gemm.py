@@ -118,17 +118,20 @@ def test_numpy_gemm_property(k, M, N, kblocks, dtype, fmt, seed):
         np.testing.assert_array_equal(kbit_gemm(A, w).view(np.uint16), C.view(np.uint16))
 
 
-def test_auto_dispatch_against_the_committed_sweep():
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_auto_dispatch_against_the_committed_sweep(wgmma):
     # kernel="auto" must stay close to the best kernel measured at every point
-    # of the committed H100 sweep it was derived from (benchmarks/derive_dispatch.py).
+    # of the committed H100 sweep it was derived from (benchmarks/derive_dispatch.py),
+    # on an sm_90 GPU (mma, wgmma, dequant) and on one without wgmma (mma, dequant).
     import json
     from pathlib import Path
 
     from kbit_cupy.gemm import choose_kernel
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    paths = sorted(results.glob("gemm_sweep_h100_d9006df_*.json"))
+    paths = sorted(results.glob("gemm_sweep_h100_98dd872_*.json"))
     assert len(paths) == 2
+    kernels = ("mma", "wgmma", "dequant") if wgmma else ("mma", "dequant")
     worst = 1.0
     for path in paths:
         records = json.loads(path.read_text())["records"]
@@ -137,8 +140,10 @@ def test_auto_dispatch_against_the_committed_sweep():
         for K_dim, N, M, k, dtype, kernel in times:
             if kernel != "mma":
                 continue
-            t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "dequant")}
-            worst = max(worst, t[choose_kernel(M, N, K_dim, k, dtype)] / min(t.values()))
+            t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in kernels}
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=wgmma)
+            assert chosen in kernels
+            worst = max(worst, t[chosen] / min(t.values()))
     assert worst <= 1.06, worst
 
 
