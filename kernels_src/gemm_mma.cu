@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
   // swizzle layout (K-major): four 64-column slabs of 8 * M_TILES rows of 128
   // bytes, chunk c of row r at c ^ (r & 7), each slab 1024-byte aligned (the
   // dynamic buffer is aligned at run time; gemm.py adds 1 KB).
-  extern __shared__ uint4 x_stage[];  // [2][8 * M_TILES][32] (WG: from x_stage + x_align)
+  extern __shared__ uint4 x_stage[];  // [kStages][8 * M_TILES][32] (WG: from x_stage + x_align)
   const int x_align =
       WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
   constexpr int kStageChunks = 8 * M_TILES * 32;
@@ -514,9 +514,9 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
       }  // WG
     }
     // Everyone is done with x_stage[buf] before it is refilled. WG: the
-    // refill at the top of tile i + 1 writes tile i - 2's stage, whose
-    // multiplies every warpgroup has waited for (wgmma_wait<1> at block 1 of
-    // tile i) before arriving here.
+    // refill at the top of tile i + 2 (the loads for tile i + 3) writes this
+    // stage; every warpgroup waits for this tile's multiplies at block 1 of
+    // tile i + 1 (wgmma_wait<1>), before it arrives here again.
     __syncthreads();
   };
   auto copy_set = [&]() {  // set 1 -> set 0
