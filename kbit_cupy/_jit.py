@@ -193,7 +193,7 @@ def get_kernel(family: str, *template_args):
         module = cupy.RawModule(code=render_source(family), options=options, name_expressions=[name])
         kernel = module.get_function(name)
         _kernels[key] = kernel
-        _note_compiled(name)
+        _note_compiled(name, "sm_90a" if needs_sm90a(family, template_args) else None)
     return kernel
 
 
