@@ -186,14 +186,15 @@ def get_kernel(family: str, *template_args):
     if kernel is None:
         name = kernel_name(family, *template_args)
         options = compile_options()
-        if needs_sm90a(family, template_args):
+        sm90a = needs_sm90a(family, template_args)
+        if sm90a:
             # NVRTC keeps the "a" of any -arch it is given (NOTES-cupy-nvrtc.md),
             # so CuPy's own -arch=sm_90 that follows still builds for sm_90a.
             options = (*options, "-arch=sm_90a")
         module = cupy.RawModule(code=render_source(family), options=options, name_expressions=[name])
         kernel = module.get_function(name)
         _kernels[key] = kernel
-        _note_compiled(name, "sm_90a" if needs_sm90a(family, template_args) else None)
+        _note_compiled(name, "sm_90a" if sm90a else None)
     return kernel
 
 

@@ -308,9 +308,9 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         w = weight.dequantize(np.float32)
         C2[...] = (A2.astype(np.float32) @ w.T).astype(A.dtype)
         return C
-    choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, A.dtype)
-    if choice == "wgmma" and not has_wgmma():
+    if kernel == "wgmma" and not has_wgmma():  # "auto" asks choose_kernel, which asks the GPU
         raise ValueError("kernel='wgmma' needs a Hopper GPU (sm_90: H100, H200); use 'mma' or 'auto'")
+    choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, A.dtype)
     A2 = xp.ascontiguousarray(A2)
     if A2.data.ptr % 16:
         A2 = A2.copy()

@@ -106,6 +106,8 @@ def test_every_e4m4_code(kernel, dtype, M):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_wide_sweep(dtype, k):
+    from kbit_cupy.gemm import has_wgmma
+
     Ms = [1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 48, 49, 64, 65, 127, 128, 129, 256, 1024]
     Ns = [1, 7, 64, 127, 128, 129, 768, 4096, 6144]
     Ks = [32, 96, 2048, 4096, 14336]
@@ -116,8 +118,6 @@ def test_wide_sweep(dtype, k):
         run_case(M, N, K_dim, k, dtype, "auto", seed=int(i))
         if M <= 64:
             run_case(M, N, K_dim, k, dtype, "mma", seed=int(i))
-        from kbit_cupy.gemm import has_wgmma
-
         if has_wgmma():
             run_case(M, N, K_dim, k, dtype, "wgmma", seed=int(i))
 
