@@ -93,8 +93,6 @@ class Variant:
 def all_variants() -> list[Variant]:
     """Every kernel variant the package can launch (the compile check's list)."""
     out = []
-    for dtype in ("float16", "bfloat16"):
-        out.append(Variant("permute_act", (dtype,)))
     for k in (2, 3, 4, 5):
         for dtype in ("float16", "bfloat16", "float32"):
             for scale in ("uint8", "float16"):

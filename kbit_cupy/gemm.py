@@ -91,8 +91,9 @@ def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
 
     Returns ``(tiles, scales)`` in the input's module: ``tiles`` uint32 of shape
     ``(row_tiles, k_tiles, k, 32, 4)`` (per 16-row x 256-column tile, lane
-    ``4g + t`` holds the 128 indices of rows ``g``/``g+8``, columns ``8t..8t+7`` of
-    each block as one bit string of k-bit fields, see ``kernels_src/gemm_mma.cu``),
+    ``4g + t`` holds the 128 indices of rows ``g``/``g+8``, columns ``8p + 2t``,
+    ``8p + 2t + 1`` (p = 0..3) of each block as one bit string of k-bit fields:
+    its mma A-fragment in k order, see ``kernels_src/gemm_mma.cu``),
     ``scales`` of ``absmax``'s dtype and shape ``(row_tiles, k_tiles, 16, 8)``.
     Rows past ``N`` and columns past ``K_dim`` are padding (index 0, scale 0).
     ``unpack_from_gemm`` inverts it exactly.
@@ -119,9 +120,9 @@ def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
         if real:
             blocks = packed[r0 * kb * k : (r0 + real) * kb * k]
             idx[:real, :kb] = _planes_to_indices(xp, blocks, k).reshape(real, kb, BLOCK)
-        # row = 16 rt + 8 h + g; col = 256 kt + 32 j + 8 t + c
-        f = idx.reshape((r1 - r0) // 16, 2, 8, kt_n, 8, 4, 8)
-        f = f.transpose(0, 3, 2, 5, 4, 1, 6)  # [rt, kt, g, t, j, h, c]
+        # row = 16 rt + 8 h + g; col = 256 kt + 32 j + 8 p + 2 t + e
+        f = idx.reshape((r1 - r0) // 16, 2, 8, kt_n, 8, 4, 4, 2)
+        f = f.transpose(0, 3, 2, 6, 4, 1, 5, 7)  # [rt, kt, g, t, j, h, p, e]
         f = f.reshape((r1 - r0) // 16, kt_n, 32, 128)
         bits = ((f[..., None] >> xp.arange(k, dtype=xp.uint8)) & 1).reshape(f.shape[:-1] + (-1,))
         words = _bits_to_words(xp, bits)  # [rt, kt, lane, 4k]
@@ -147,7 +148,7 @@ def unpack_from_gemm(tiles, scales, k: int, N: int, K_dim: int):
     words = tiles.transpose(0, 1, 3, 2, 4).reshape(rt_n, kt_n, 32, 4 * k)
     bits = _words_to_bits(xp, words).reshape(rt_n, kt_n, 32, 128, k)
     f = (bits.astype(xp.uint8) << xp.arange(k, dtype=xp.uint8)).sum(axis=-1, dtype=xp.uint8)
-    f = f.reshape(rt_n, kt_n, 8, 4, 8, 2, 8).transpose(0, 5, 2, 1, 4, 3, 6)
+    f = f.reshape(rt_n, kt_n, 8, 4, 8, 2, 4, 2).transpose(0, 5, 2, 1, 4, 6, 3, 7)
     idx = f.reshape(rt_n * ROWS_PER_TILE, kt_n * BLOCKS_PER_TILE, BLOCK)[:N, :kb]
     packed = _indices_to_planes(xp, xp.ascontiguousarray(idx).reshape(-1, BLOCK), k)
     absmax = scales.transpose(0, 2, 1, 3).reshape(rt_n * ROWS_PER_TILE, kt_n * BLOCKS_PER_TILE)
@@ -322,8 +323,6 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         return C
     weight.prepare()
     wg = choice == "wgmma"
-    if wg:
-        A2 = _permute_for_wgmma(A2)
     step = _WG_MAX_M if wg else _MMA_MAX_M
     for m0 in range(0, M, step):
         m1 = min(M, m0 + step)
@@ -343,34 +342,6 @@ def has_wgmma() -> bool:
     if found is None:
         found = _wgmma_cache[device.id] = device.compute_capability == "90"
     return found
-
-
-def wgmma_pair_permutation(K_dim: int) -> np.ndarray:
-    """Source column pair of each column pair of the wgmma kernel's activations.
-
-    The tile layout feeds thread ``t`` of an mma the columns ``8t .. 8t+7`` of
-    each 32-column block (k-slots ``2t, 2t+1, 2t+8, 2t+9`` of its two 16-wide
-    steps); wgmma reads activations in k order, so they are permuted the same
-    way: pair ``8s + 4h + t`` of a block is the pair ``4t + 2s + h``.
-    """
-    lp = np.arange(16)
-    s, h, t = lp >> 3, (lp >> 2) & 1, lp & 3
-    within = 4 * t + 2 * s + h
-    blocks = np.arange(K_dim // BLOCK)[:, None] * 16
-    return (blocks + within[None, :]).reshape(-1).astype(np.int32)
-
-
-def _permute_for_wgmma(A2):
-    """A copy of ``A2`` ``[M, K_dim]`` with wgmma_pair_permutation applied
-    (kernels_src/permute_act.cu)."""
-    import cupy as cp
-
-    out = cp.empty_like(A2)
-    blocks = A2.size // BLOCK
-    kern = _jit.get_kernel("permute_act", A2.dtype.name)
-    grid = max(1, min(math.ceil(blocks / 256), 8 * _sm_count()))
-    kern((grid,), (256,), (A2, out, np.int64(blocks)))
-    return out
 
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
@@ -487,7 +458,7 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, i
 
 def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     """One launch of gemm_mma.cu for up to 64 rows of A (wg: the wgmma path,
-    up to 128 rows, A permuted by _permute_for_wgmma)."""
+    up to 128 rows)."""
     import cupy as cp
 
     M = A.shape[0]

@@ -9,14 +9,13 @@
 //
 // Weight layout (made once by kbit_cupy/gemm.py:repack_for_gemm): for row
 // tile rt and K tile kt, lane l = 4g + t holds 128 k-bit indices as one bit
-// string of 4K words, field f = 16j + 8h + c = block j (0..7), row g + 8h,
-// column 8t + c of the block. Field f sits at bits [f*K, f*K + K) of the
-// string: one funnel shift brings any field to the low bits. The words are
-// stored as K uint4 per lane, uint4 q of all 32 lanes contiguous (coalesced).
-// Within a block, thread t's mma k-slots (2t, 2t+1, 2t+8, 2t+9) of the two
-// 16-wide slabs map to columns 8t .. 8t+7: the same permutation of k is
-// applied to A (one 16-byte load per block and n8 tile), so the sum is the
-// same.
+// string of 4K words, field f = 16j + 8h + 2p + e = block j (0..7), row
+// g + 8h, column 8p + 2t + e of the block (p = 0..3, e = 0..1): pair p is
+// A-fragment register p of thread t's k-slots in natural order (k16 step
+// p >> 1, slots 2t, 2t+1 or 2t+8, 2t+9), so activations need no permutation.
+// Field f sits at bits [f*K, f*K + K) of the string: one funnel shift brings
+// any field to the low bits. The words are stored as K uint4 per lane, uint4
+// q of all 32 lanes contiguous (coalesced).
 //
 // Scales: per tile 16 rows x 8 blocks, row-major; lane l loads the 4 entries
 // of row l/2, blocks 4(l%2) .. 4(l%2)+3 (uint8 E4M4 codes: one word; fp16:
@@ -50,17 +49,11 @@
 // wgmma.mma_async: C^T = W A^T,
 // the decoded weights are operand A in registers (each warp's 16-row tile in
 // the m16n8k16 A-fragment order, which is wgmma's per-warp order too), the
-// activations operand B read by the tensor cores from shared memory, and the
-// batch M is wgmma's N (8 * M_TILES = 8 .. 128 per launch). A CTA is WG
-// warpgroups (4 WG warps, one row tile each) sharing the staged activations.
-// wgmma is asynchronous: block j's multiply runs while block j + 1 decodes.
-//
-// The weight layout permutes k inside each 32-column block (thread t's
-// k-slots map to columns 8t .. 8t+7). mma.sync reads its B
-// fragments per thread, so the permutation costs nothing there; wgmma reads B
-// in k order, so gemm.py hands this kernel a copy of A with the same
-// permutation applied (pairs of columns: logical pair 8s + 4h + t of a block
-// is column pair 4t + 2s + h).
+// activations operand B read by the tensor cores from shared memory in k
+// order, and the batch M is wgmma's N (8 * M_TILES = 8 .. 128 per launch). A
+// CTA is WG warpgroups (4 WG warps, one row tile each) sharing the staged
+// activations. wgmma is asynchronous: block j's multiply runs while block
+// j + 1 decodes.
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -139,14 +132,21 @@ template <> struct ScaleWord<__half> {
   static constexpr int kBytes = 8;
 };
 
+// CTAs per SM the register allocation must allow: M_TILES = 4 with two row
+// tiles per warp sits just above an occupancy step at k = 2 with E4M4 scales
+// (4 CTAs at 128 registers) and at k = 4 (3 CTAs at 168); elsewhere the
+// compiler chooses (fp16 scales at k = 2 would spill at 128).
+template <int K, int SCALE_BYTES, int M_TILES, int RPW>
+constexpr int kMinCtas =
+    M_TILES == 4 && RPW == 2 ? (K == 2 && SCALE_BYTES == 1 ? 4 : K == 4 ? 3 : 1) : 1;
+
 // RPW: row tiles per warp. With many n8 tiles the activation fragments
 // (shared-memory reads) dominate, so on layers with enough row tiles a warp
 // reuses each one for two row tiles (gemm.py chooses).
 // WG > 0: the Hopper path (see the header; sm_90a only) with WG warpgroups
-// per CTA, RPW = 1, A already permuted, the staged activations in wgmma's
-// layout. WG = 0: mma.sync, 4 warps.
+// per CTA, RPW = 1, the staged activations in wgmma's layout. WG = 0: mma.sync, 4 warps.
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0>
-__global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
+__global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale), M_TILES, RPW>) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
@@ -227,10 +227,10 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
     }
   };
   // Activations: the CTA stages A[0 .. 8*M_TILES) x [256 columns of tile kt]
-  // in shared memory, double buffered with cp.async (rows past M and columns
-  // past K_dim are zero-filled). Row r's 16-byte chunk c sits at c ^ 4*(r&1):
-  // the 8 lanes of one LDS.128 phase (rows g, g+1; chunks 4j..4j+3) hit
-  // distinct banks.
+  // in shared memory, double buffered with cp.async (columns past K_dim are
+  // zero-filled, rows past M once at the start). Row r's 16-byte chunk c sits
+  // at chunk (c & ~7) | ((c ^ r) & 7): the 8 row addresses of one ldmatrix
+  // phase (rows 8mt .. 8mt+7, one chunk) hit distinct banks.
   // WG: wgmma reads B = A^T from shared memory itself, in its 128-byte
   // swizzle layout (K-major): four 64-column slabs of 8 * M_TILES rows of 128
   // bytes, chunk c of row r at c ^ (r & 7), each slab 1024-byte aligned (the
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
   constexpr int kStages = WG ? 3 : 2;
   auto x_chunk = [&](int row, int c) {  // chunk c (16 bytes) of staged row `row`
     if constexpr (WG) return (c >> 3) * (8 * M_TILES * 8) + row * 8 + ((c & 7) ^ (row & 7));
-    return row * 32 + (c ^ ((row & 1) << 2));
+    return row * 32 + (c ^ (row & 7));
   };
   auto load_x = [&](int kt_l, int buf) {
     const int rows = min(M, 8 * M_TILES);  // rows past M are never read
@@ -260,14 +260,16 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
-  if constexpr (WG) {
-    // wgmma reads every staged row: rows past M hold zeros (the columns of C
-    // they feed are never stored, but they are not left uninitialised).
-    for (int i = threadIdx.x; i < kStages * (8 * M_TILES - min(M, 8 * M_TILES)) * 32;
-         i += blockDim.x) {
-      const int per = (8 * M_TILES - min(M, 8 * M_TILES)) * 32;
-      const int buf = i / per, row = M + (i % per) / 32, c = i % 32;
-      x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
+  {
+    // Every staged row is read (ldmatrix, wgmma): rows past M hold zeros (the
+    // columns of C they feed are never stored, but they are not left
+    // uninitialised).
+    const int rows_past = 8 * M_TILES - min(M, 8 * M_TILES);
+    for (int i = threadIdx.x; i < rows_past * 32; i += blockDim.x) {
+      const int row = M + (i >> 5), c = i & 31;
+#pragma unroll
+      for (int buf = 0; buf < kStages; ++buf)
+        x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
     }
   }
   if (u_begin < u_end) {
@@ -388,9 +390,14 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
   auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
     const int buf = WG ? (seg_buf0 + i) % kStages : (seg_buf0 ^ i) & 1;
-    const uint4* const x_even = x_stage + buf * kStageChunks + g * 32 + t + 4 * (g & 1);
     const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
-    const uint4* const x_odd = x_even - 8 * (g & 1);
+    // mma: lane l gives ldmatrix the address of row 8mt + (l & 7), chunk
+    // 4j + (l >> 3) of the stage (matrix l >> 3 of the x4 load): chunk
+    // 8(j >> 1) + ((4(j & 1) + (l >> 3)) ^ (l & 7)), so one address for even
+    // and one for odd j, the rest immediate offsets.
+    const int x_sw = (lane >> 3) ^ (lane & 7);
+    const unsigned x_even = x_base + buf * (kStageChunks * 16) + (lane & 7) * 512 + x_sw * 16;
+    const unsigned x_odd = x_even + (x_sw & 4 ? -64 : 64);
     const bool in_seg = i + 1 < seg_n;
     const bool has_next = in_seg || seg_more;
     const int next_kt = in_seg ? seg_kt0 + i + 1 : 0;
@@ -429,7 +436,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // Weights of block j: 8 per row half, decoded to T, times the block's scale.
-      unsigned wp[RPW][2][4];  // [r][h][pair]: columns (8t + 2p, +1) of row g + 8h
+      unsigned wp[RPW][2][4];  // [r][h][pair p]: columns (8p + 2t, +1) of row g + 8h
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
 #pragma unroll
@@ -486,21 +493,19 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, 1) kbit_gemm_mma(
         }
         wgmma_commit();
       } else {
-      // Activations: row m = 8*mt + g, columns 8t .. 8t+7 of block j. Slab 0
-      // is columns 8t+0..3, slab 1 is 8t+4..7 (k-slots 2t,2t+1 | 2t+8,2t+9).
+      // Activations: the B fragments of n8 tile mt, block j: ldmatrix.x4 of
+      // the block's four 16-byte column chunks of rows 8mt .. 8mt+7 gives
+      // lane (g, t) words t, 4 + t, 8 + t, 12 + t of row 8mt + g, i.e. b0, b1
+      // of slab 0 and of slab 1. (Skipping n8 tiles wholly past M with a
+      // warp-uniform branch was measured 10-25% slower at M = 16..64: the
+      // branches cut the unrolled block into pieces the scheduler cannot
+      // interleave.)
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
-        // gemm.py picks the smallest M_TILES that holds M, so the first half
-        // of the n8 tiles is always full and needs no predicate; elsewhere
-        // rows past M read as zeros. (Skipping n8 tiles wholly past M with a
-        // warp-uniform branch was measured 10-25% slower at M = 16..64: the
-        // branches cut the unrolled block into pieces the scheduler cannot
-        // interleave.)
-        // chunk (4j + t) ^ 4(g & 1) = 4j + t + (j even ? 4(g&1) : -4(g&1)): a
-        // per-thread pointer for even and odd j, the rest immediate offsets.
-        const bool full = 2 * mt < M_TILES;  // constant once unrolled
-        const uint4 x = (full || mt * 8 + g < M) ? (j & 1 ? x_odd : x_even)[mt * 256 + 4 * j]
-                                                  : make_uint4(0u, 0u, 0u, 0u);
+        uint4 x;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                     : "r"((j & 1 ? x_odd : x_even) + mt * 8 * 512 + (j >> 1) * 128));
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
 #pragma unroll

@@ -1,15 +1,14 @@
 """The mma kernel's data flow, emulated in NumPy on the repacked tiles.
 
 kernels_src/gemm_mma.cu feeds mma.sync m16n8k16 from the tiles built by
-repack_for_gemm: lane 4g + t decodes fields 16j + 8h + c (block j, row g + 8h,
-column 8t + c) into the A fragment registers {a0: row g, slots 2t..2t+1;
-a1: row g+8; a2: row g, slots 2t+8..; a3: row g+8, slots 2t+8..} (the
-Turing-decomposition order, seeds' development record section 8.5) and
-takes B from one 16-byte activation read per block (columns 8t..8t+7 split
-over the two 16-wide slabs). This test rebuilds exactly those fragments on
-the CPU, multiplies them as the instruction defines, and checks the product
-against the float64 reference, so a layout or permutation error shows up
-without a GPU.
+repack_for_gemm: lane 4g + t decodes fields 16j + 8h + 2p + e (block j, row
+g + 8h, column 8p + 2t + e) into the A fragment registers {a0: row g, slots
+2t..2t+1; a1: row g+8; a2: row g, slots 2t+8..; a3: row g+8, slots 2t+8..}
+(the Turing-decomposition order, seeds' development record section 8.5) and
+takes B in k order (ldmatrix for mma.sync, shared memory for wgmma). This
+test rebuilds exactly those fragments on the CPU, multiplies them as the
+instruction defines, and checks the product against the float64 reference,
+so a layout error shows up without a GPU.
 """
 
 from __future__ import annotations
@@ -34,21 +33,17 @@ KERNEL_ORDER = ((0, 0), (8, 0), (0, 8), (8, 8))
 SWAPPED_ORDER = ((0, 0), (0, 8), (8, 0), (8, 8))  # a1/a2 exchanged: the classic mistake
 
 
-def permuted_pairs(A, perm):
-    """A with column pairs reordered: pair i of the result is pair perm[i] of A."""
-    pairs = A.reshape(A.shape[0], -1, 2)
-    return pairs[:, perm].reshape(A.shape)
-
-
-def emulate(A, w, order=KERNEL_ORDER, wgmma_perm=None):
+def emulate(A, w, order=KERNEL_ORDER, wgmma=False, columns=None):
     """C = A @ dequant(W).T computed the way gemm_mma.cu does (fp16 weights, wide accumulation).
 
     ``order`` says where registers a0..a3 land in the 16x16 tile (row offset,
     k-slot offset), i.e. the m16n8k16 fragment layout the kernel assumes.
-    ``wgmma_perm``: emulate the wgmma path instead, which reads B in k order
-    from activations permuted by this pair permutation (16-wide slab s of
-    block j is columns 32j + 16s .. 32j + 16s + 15 of the permuted copy).
+    ``wgmma``: emulate the wgmma path, which reads B for 16-wide slab s of
+    block j as columns 32j + 16s .. 32j + 16s + 15 of A. ``columns(p, t, e)``:
+    the column within a block that the kernel assumes field 2p + e of lane t
+    holds (default: the layout's 8p + 2t + e).
     """
+    columns = columns or (lambda p, t, e: 8 * p + 2 * t + e)
     N, K_dim = w.shape
     k = w.k
     tiles, scales = repack_for_gemm(w.packed, w.absmax, k, N, K_dim)
@@ -56,8 +51,6 @@ def emulate(A, w, order=KERNEL_ORDER, wgmma_perm=None):
     M = A.shape[0]
     Apad = np.zeros((8 * -(-M // 8), kt_n * 256), np.float64)
     Apad[:M, :K_dim] = A.astype(np.float64)
-    if wgmma_perm is not None:
-        Apad[:M, :K_dim] = permuted_pairs(A.astype(np.float64), wgmma_perm)
     cb16 = w.codebook.astype(np.float16)
     out = np.zeros((Apad.shape[0], rt_n * 16))
     for rt in range(rt_n):
@@ -71,7 +64,7 @@ def emulate(A, w, order=KERNEL_ORDER, wgmma_perm=None):
                     Bfrag = np.zeros((16, Apad.shape[0]))
                     for lane in range(32):
                         g, t = lane >> 2, lane & 3
-                        # weight pairs p: columns 8t + 2p, 8t + 2p + 1 of block j, row g + 8h
+                        # weight pairs p: columns 8p + 2t, 8p + 2t + 1 of block j, row g + 8h
                         wp = {}
                         for h in range(2):
                             for p in range(4):
@@ -82,15 +75,17 @@ def emulate(A, w, order=KERNEL_ORDER, wgmma_perm=None):
                         regs = [wp[0, 2 * slab], wp[1, 2 * slab], wp[0, 2 * slab + 1], wp[1, 2 * slab + 1]]
                         for reg, (drow, dslot) in zip(regs, order):
                             Afrag[g + drow, 2 * t + dslot], Afrag[g + drow, 2 * t + dslot + 1] = reg
-                        if wgmma_perm is not None:
+                        if wgmma:
                             continue
+                        # ldmatrix.x4: lane (g, t) gets words t, 4 + t, 8 + t, 12 + t
+                        # of row 8mt + g of the block; slab s: b0 = word 8s + t, b1 = 8s + 4 + t
+                        base = kt * 256 + 32 * j
                         for mt in range(Apad.shape[0] // 8):
                             m = 8 * mt + g
-                            col = kt * 256 + 32 * j + 8 * t + 4 * slab
-                            x = Apad[m, col : col + 4]  # b0 = x[0:2] (slots 2t..), b1 = x[2:4] (2t+8..)
-                            Bfrag[2 * t, m], Bfrag[2 * t + 1, m] = x[0], x[1]
-                            Bfrag[2 * t + 8, m], Bfrag[2 * t + 9, m] = x[2], x[3]
-                    if wgmma_perm is not None:
+                            for slot, p in ((0, 2 * slab), (8, 2 * slab + 1)):
+                                for e in range(2):
+                                    Bfrag[2 * t + slot + e, m] = Apad[m, base + columns(p, t, e)]
+                    if wgmma:
                         col = kt * 256 + 32 * j + 16 * slab
                         Bfrag = Apad[:, col : col + 16].T  # wgmma: B in k order
                     out[:, rt * 16 : rt * 16 + 16] += (Afrag @ Bfrag).T
@@ -112,30 +107,25 @@ def test_emulated_kernel_matches_reference(k, fmt):
 
 @pytest.mark.parametrize("k", [2, 4, 5])
 def test_emulated_wgmma_path_matches_reference(k):
-    from kbit_cupy.gemm import wgmma_pair_permutation
-
     rng = np.random.default_rng(10 + k)
     N, K_dim, M = 20, 288, 3
     w = quantize_weight(rng.standard_normal((N, K_dim)).astype(np.float32), k=k)
     A = rng.standard_normal((M, K_dim)).astype(np.float16)
     ref = A.astype(np.float64) @ w.dequantize(np.float32).astype(np.float64).T
-    got = emulate(A, w, wgmma_perm=wgmma_pair_permutation(K_dim))
+    got = emulate(A, w, wgmma=True)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3
-    # and it has teeth: unpermuted activations give a wrong product
-    bad = emulate(A, w, wgmma_perm=np.arange(K_dim // 2))
+
+
+def test_emulation_detects_a_wrong_column_order():
+    # The emulation has teeth for the layout: B read as if lane t held
+    # columns 8t .. 8t+7 of a block (the layout before the k-order one) gives
+    # a wrong product.
+    rng = np.random.default_rng(4)
+    w = quantize_weight(rng.standard_normal((16, 256)).astype(np.float32), k=4)
+    A = rng.standard_normal((2, 256)).astype(np.float16)
+    ref = A.astype(np.float64) @ w.dequantize(np.float32).astype(np.float64).T
+    bad = emulate(A, w, columns=lambda p, t, e: 8 * t + 2 * p + e)
     assert np.linalg.norm(bad - ref) / np.linalg.norm(ref) > 0.1
-
-
-def test_permute_act_transpose_is_the_pair_permutation():
-    # kernels_src/permute_act.cu: in each 32-column block, a 4 x 4 transpose
-    # of 4-byte words (16-byte chunk c, word t -> chunk t, word c).
-    from kbit_cupy.gemm import wgmma_pair_permutation
-
-    rng = np.random.default_rng(3)
-    A = rng.standard_normal((5, 96)).astype(np.float16)
-    words = A.view(np.uint32).reshape(5, 3, 4, 4)
-    kernel = words.transpose(0, 1, 3, 2).reshape(5, -1).view(np.float16)
-    np.testing.assert_array_equal(kernel, permuted_pairs(A, wgmma_pair_permutation(96)))
 
 
 def test_emulation_detects_a_swapped_fragment_order():

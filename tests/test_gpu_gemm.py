@@ -152,18 +152,6 @@ def test_both_work_splits(monkeypatch, kernel, split, M):
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_permute_act_kernel(dtype):
-    import cupy as cp
-
-    from kbit_cupy.gemm import _permute_for_wgmma, wgmma_pair_permutation
-
-    A = np.random.default_rng(4).standard_normal((37, 4128)).astype(np.dtype(dtype))
-    got = cp.asnumpy(_permute_for_wgmma(cp.asarray(A))).view(np.uint16)
-    want = A.view(np.uint16).reshape(37, -1, 2)[:, wgmma_pair_permutation(4128)].reshape(37, -1)
-    np.testing.assert_array_equal(got, want)
-
-
 def test_wgmma_refused_off_sm90():
     import cupy as cp
 
