@@ -359,13 +359,16 @@ _MID_WEIGHTS = 1 << 24
 _LONG_K = 8192
 _WIDE_N = 16384
 _WIDEST_N = 32768
-# sm_90 (wgmma): from gemm_sweep_h100_98dd872_*.json, mma then wgmma then
-# dequantize + cuBLAS. On the large layers mma won up to M = 8..16 and wgmma
-# from 16..48 to 256 (M = 1024: dequantize + cuBLAS); on 4096x6144 mma to 64,
-# wgmma at 96..128; on 2048x768 and 768x2048 wgmma never won.
+# sm_90 (wgmma): from gemm_sweep_h100_8b16c73_*.json, mma then wgmma then
+# dequantize + cuBLAS. On the large layers mma won up to M = 8..16 (at 16
+# the two are within 5%: k=3/5 went to mma, most k=2/4 points to wgmma) and
+# wgmma from there to 256 (M = 1024: dequantize + cuBLAS); on 4096x6144 mma
+# to 16..32, wgmma from 32..48 to 192; on 2048x768 and 768x2048 wgmma never
+# won.
 _AUTO_MMA_MAX_M_SM90_LARGE = 16
+_AUTO_MMA_MAX_M_SM90_MID = 32
 _AUTO_WG_MAX_M_LARGE = 256
-_AUTO_WG_MAX_M_MID = 128
+_AUTO_WG_MAX_M_MID = 192
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None) -> str:
@@ -380,7 +383,7 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         if N >= _WIDE_N or K_dim >= _LONG_K:
             mma_max, wg_max = _AUTO_MMA_MAX_M_SM90_LARGE, _AUTO_WG_MAX_M_LARGE
         elif N * K_dim >= _MID_WEIGHTS:
-            mma_max, wg_max = _AUTO_MMA_MAX_M, _AUTO_WG_MAX_M_MID
+            mma_max, wg_max = _AUTO_MMA_MAX_M_SM90_MID, _AUTO_WG_MAX_M_MID
         else:
             mma_max, wg_max = _AUTO_MMA_MAX_M, _AUTO_MMA_MAX_M  # wgmma never wins
         return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
