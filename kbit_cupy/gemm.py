@@ -360,12 +360,13 @@ _LONG_K = 8192
 _WIDE_N = 16384
 _WIDEST_N = 32768
 # sm_90 (wgmma): from gemm_sweep_h100_8b16c73_*.json, mma then wgmma then
-# dequantize + cuBLAS. On the large layers mma won up to M = 8..16 (at 16
-# the two are within 5%: k=3/5 went to mma, most k=2/4 points to wgmma) and
-# wgmma from there to 256 (M = 1024: dequantize + cuBLAS); on 4096x6144 mma
-# to 16..32, wgmma from 32..48 to 192; on 2048x768 and 768x2048 wgmma never
-# won.
-_AUTO_MMA_MAX_M_SM90_LARGE = 16
+# dequantize + cuBLAS. On the large layers mma won up to M = 8 at k = 2 and
+# 4 (at M = 16 wgmma by 0-5%, in both sweeps of 8b16c73) and up to 16 at
+# k = 3 and 5 (by 0-7%), wgmma from there to 256 (M = 1024: dequantize +
+# cuBLAS); on 4096x6144 mma to 16..32, wgmma from 32..48 to 192; on 2048x768
+# and 768x2048 wgmma never won.
+_AUTO_MMA_MAX_M_SM90_LARGE = 16  # k = 3, 5
+_AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K = 8  # k = 2, 4
 _AUTO_MMA_MAX_M_SM90_MID = 32
 _AUTO_WG_MAX_M_LARGE = 256
 _AUTO_WG_MAX_M_MID = 192
@@ -381,7 +382,8 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         wgmma = _device_has_wgmma()
     if wgmma:
         if N >= _WIDE_N or K_dim >= _LONG_K:
-            mma_max, wg_max = _AUTO_MMA_MAX_M_SM90_LARGE, _AUTO_WG_MAX_M_LARGE
+            mma_max = _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K if k in (2, 4) else _AUTO_MMA_MAX_M_SM90_LARGE
+            wg_max = _AUTO_WG_MAX_M_LARGE
         elif N * K_dim >= _MID_WEIGHTS:
             mma_max, wg_max = _AUTO_MMA_MAX_M_SM90_MID, _AUTO_WG_MAX_M_MID
         else:
