@@ -1,0 +1,225 @@
+"""Probe (device, sm_90): how fast can a warp-per-stream kernel read DRAM?
+
+usage: python benchmarks/stream_probe.py [--mbytes 250] [--chunk 2048]
+
+kbit_gemm's mma kernel at M=1 reads its weights the way `regs` does here:
+each warp streams its own contiguous region in 2 KB chunks (k=4: one 16 x 256
+tile), 16-byte loads per lane into registers, the next chunk loading while
+the current one is consumed. Measured with the decode, the barriers, the
+activations and the multiplies removed (scratch variants of the kernel), that
+pattern alone took 104 us for the 250 MB of 8192x57344 at k=4 (2.4 TB/s),
+and the whole kernel 113 us. This probe times the load pattern on its own,
+against
+- `regs`: the kernel's pattern (registers, one chunk ahead), CTAS_PER_SM CTAs
+  of 4 warps per SM;
+- `bulk`: each warp keeps STAGES chunks in flight in a shared-memory ring,
+  filled by one lane with `cp.async.bulk` (the copy engine, completion on an
+  mbarrier), read back with 16-byte LDS;
+- `flat`: a grid-stride read of the whole buffer (16-byte loads, 4 per
+  thread in flight): the read ceiling.
+Each kernel XORs what it reads into one word per thread (so nothing is
+optimised away). Then `flat` reads exactly the kbit bytes of one layer (E4M4
+scales) at k = 2..5, next to cuBLAS fp16 at M=1 on that layer: the best
+ratio any kernel that reads those bytes once could show. TARGETS.md method
+(cold L2, events, median), one process.
+"""
+
+import argparse
+
+import cupy as cp
+
+from kbit_cupy import bench
+
+SRC = r"""
+extern "C" __global__ void regs(const uint4* __restrict__ buf, long long words_per_warp,
+                                int chunk_words, unsigned* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const uint4* p = buf + warp * words_per_warp;
+  constexpr int per_lane = 4;  // 2 KB chunks: 4 16-byte words per lane (chunk_words == 128)
+  uint4 cur[per_lane], nxt[per_lane];
+  unsigned x = 0;
+#pragma unroll
+  for (int q = 0; q < per_lane; ++q) cur[q] = __ldg(p + q * 32 + lane);
+  for (long long c = chunk_words; c <= words_per_warp; c += chunk_words) {
+    if (c < words_per_warp) {
+#pragma unroll
+      for (int q = 0; q < per_lane; ++q) nxt[q] = __ldg(p + c + q * 32 + lane);
+    }
+#pragma unroll
+    for (int q = 0; q < per_lane; ++q) x ^= cur[q].x ^ cur[q].y ^ cur[q].z ^ cur[q].w;
+#pragma unroll
+    for (int q = 0; q < per_lane; ++q) cur[q] = nxt[q];
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
+
+// STAGES chunks of chunk_words 16-byte words per warp in dynamic shared memory.
+extern "C" __global__ void bulk(const uint4* __restrict__ buf, long long words_per_warp,
+                                int chunk_words, int stages, unsigned* __restrict__ out) {
+  extern __shared__ __align__(128) uint4 ring[];
+  __shared__ __align__(8) unsigned long long bar[4][8];  // [warp][stage]
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const uint4* p = buf + warp * words_per_warp;
+  uint4* my = ring + (size_t)w * stages * chunk_words;
+  const long long n_chunks = words_per_warp / chunk_words;
+  if (lane == 0) {
+    for (int s = 0; s < stages; ++s) {
+      unsigned a = (unsigned)__cvta_generic_to_shared(&bar[w][s]);
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::);
+  }
+  __syncwarp();
+  auto issue = [&](long long c) {
+    const int s = (int)(c % stages);
+    const unsigned a = (unsigned)__cvta_generic_to_shared(&bar[w][s]);
+    const unsigned d = (unsigned)__cvta_generic_to_shared(my + (size_t)s * chunk_words);
+    const unsigned bytes = chunk_words * 16u;
+    asm volatile("fence.proxy.async.shared::cta;" ::);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes));
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(d), "l"(p + c * chunk_words), "r"(bytes), "r"(a) : "memory");
+  };
+  if (lane == 0)
+    for (int s = 0; s < stages - 1 && s < n_chunks; ++s) issue(s);
+  unsigned x = 0;
+  for (long long c = 0; c < n_chunks; ++c) {
+    if (lane == 0 && c + stages - 1 < n_chunks) issue(c + stages - 1);
+    const int s = (int)(c % stages);
+    const unsigned a = (unsigned)__cvta_generic_to_shared(&bar[w][s]);
+    const unsigned phase = (unsigned)((c / stages) & 1);
+    asm volatile(
+        "{\n .reg .pred p;\n WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        " @!p bra WAIT_%=;\n}\n" ::"r"(a), "r"(phase) : "memory");
+    const uint4* src = my + (size_t)s * chunk_words;
+    for (int q = lane; q < chunk_words; q += 32) {
+      const uint4 v = src[q];
+      x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    __syncwarp();  // stage s is read before lane 0 refills it
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
+
+extern "C" __global__ void flat(const uint4* __restrict__ buf, long long n, unsigned* __restrict__ out) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  unsigned x = 0;
+  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = __ldg(buf + i), b = __ldg(buf + i + stride), c = __ldg(buf + i + 2 * stride),
+                d = __ldg(buf + i + 3 * stride);
+    x ^= a.x ^ a.w ^ b.y ^ b.z ^ c.x ^ c.w ^ d.y ^ d.z;
+  }
+  for (; i < n; i += stride) x ^= __ldg(buf + i).x;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mbytes", type=int, default=320)
+    ap.add_argument("--chunk", type=int, default=2048, help="bytes per chunk (multiple of 512)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--layer", default="8192x57344", help="K_dim x N whose kbit bytes to read")
+    ap.add_argument("--kbit", action="store_true", help="also time kbit_gemm (auto) at M=1 there")
+    args = ap.parse_args()
+    mod = cp.RawModule(code=SRC, options=("-std=c++17",))
+    k_regs, k_bulk, k_flat = (mod.get_function(n) for n in ("regs", "bulk", "flat"))
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    chunk_words = args.chunk // 16
+    ops = {}
+    outs = cp.zeros(sms * 32 * 2048, cp.uint32)
+    total_words = args.mbytes * 2**20 // 16
+    buf = cp.random.default_rng(0).integers(0, 2**31, size=total_words * 4, dtype=cp.uint32)
+    bufp = buf.view(cp.uint32)
+    configs = {}
+    for cps in (4, 5, 8) if args.chunk == 2048 else ():
+        n_warps = sms * cps * 4
+        wpw = total_words // n_warps // chunk_words * chunk_words
+        configs[f"regs {cps} CTA/SM"] = (
+            k_regs,
+            (sms * cps,),
+            (128,),
+            (bufp, cp.int64(wpw), cp.int32(chunk_words), outs),
+            0,
+            wpw * n_warps * 16,
+        )
+    for cps, stages in ((2, 4), (2, 8), (3, 4), (4, 4), (4, 6)):
+        n_warps = sms * cps * 4
+        wpw = total_words // n_warps // chunk_words * chunk_words
+        smem = 4 * stages * chunk_words * 16
+        if cps * (smem + 1024) > 227 * 1024:
+            continue
+        k_bulk.max_dynamic_shared_size_bytes = max(k_bulk.max_dynamic_shared_size_bytes, smem)
+        configs[f"bulk {cps} CTA/SM x {stages} stages"] = (
+            k_bulk,
+            (sms * cps,),
+            (128,),
+            (bufp, cp.int64(wpw), cp.int32(chunk_words), cp.int32(stages), outs),
+            smem,
+            wpw * n_warps * 16,
+        )
+    configs["flat"] = (
+        k_flat,
+        (sms * 8,),
+        (256,),
+        (bufp, cp.int64(total_words), outs),
+        0,
+        total_words * 16,
+    )
+    # The read ceiling for a layer's kbit bytes at each k, against cuBLAS fp16 at M=1.
+    K_dim, N = (int(v) for v in args.layer.split("x"))
+    for k in (2, 3, 4, 5):
+        words = int(N * K_dim * (k / 8 + 1 / 32)) // 16
+        if words > total_words:
+            continue
+        configs[f"flat {args.layer} k={k} bytes"] = (
+            k_flat,
+            (sms * 8,),
+            (256,),
+            (bufp, cp.int64(words), outs),
+            0,
+            words * 16,
+        )
+    for name, (k, grid, block, kargs, smem, nbytes) in configs.items():
+        ops[name] = lambda k=k, grid=grid, block=block, kargs=kargs, smem=smem: k(
+            grid, block, kargs, shared_mem=smem
+        )
+    ops["cublas"] = bench.cublas_fp16_matmul_op(1, N, K_dim)[0]
+    if args.kbit:
+        import kbit_cupy as kc
+
+        rng = cp.random.default_rng(1)
+        W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * 0.02).astype(cp.float16)
+        A = rng.standard_normal((1, K_dim), dtype=cp.float32).astype(cp.float16)
+        for k in (2, 3, 4, 5):
+            w = kc.quantize_weight(W, k=k).prepare()
+            out = cp.empty((1, N), cp.float16)
+            name = f"kbit_gemm {args.layer} k={k}"
+            ops[name] = lambda w=w, out=out: kc.kbit_gemm(A, w, out=out)
+            configs[name] = (None, None, None, None, None, int(N * K_dim * (k / 8 + 1 / 32)))
+        del W
+    res = bench.time_ops(ops, reps=args.reps)
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    t_cublas = res["cublas"]["median_us"]
+    print(
+        f"{dev}, {args.mbytes} MB, chunk {args.chunk} B; cuBLAS fp16 {args.layer} M=1: "
+        f"{t_cublas:.1f} us"
+    )
+    for name, r in res.items():
+        if name == "cublas":
+            continue
+        nbytes = configs[name][5]
+        print(
+            f"{name:32s} {r['median_us']:8.1f} us  {nbytes / r['median_us'] / 1e6:5.2f} TB/s  "
+            f"cuBLAS/this {t_cublas / r['median_us']:5.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
