@@ -415,14 +415,16 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     const bool in_seg = i + 1 < seg_n;
     const bool has_next = in_seg || seg_more;
     const int next_kt = in_seg ? seg_kt0 + i + 1 : 0;
-    if (has_next) {
-      load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1);
-      asm volatile("cp.async.wait_group 1;\n" ::);
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-    }
+    // One barrier per tile: it publishes this tile's activations (the only
+    // copy group in flight) and marks every warp done with the stage the next
+    // tile's copies overwrite: mma.sync, the previous tile's stage (its
+    // ldmatrix reads are synchronous); wgmma, the stage of tile i - 2 (three
+    // stages; every warpgroup waited for tile i - 2's multiplies at block 1 of
+    // tile i - 1, wgmma_wait<1>, before arriving here).
+    asm volatile("cp.async.wait_group 0;\n" ::);
     if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
-    __syncthreads();  // tile kt's activations are in x_stage[buf]
+    __syncthreads();
+    if (has_next) load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1);
     // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
     unsigned sw_lo[RPW][2 * ScaleWord<TScale>::kBytes / 4], sw_hi[RPW][2 * ScaleWord<TScale>::kBytes / 4];
 #pragma unroll
@@ -532,11 +534,6 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
       }
       }  // WG
     }
-    // Everyone is done with x_stage[buf] before it is refilled. WG: the
-    // refill at the top of tile i + 2 (the loads for tile i + 3) writes this
-    // stage; every warpgroup waits for this tile's multiplies at block 1 of
-    // tile i + 1 (wgmma_wait<1>), before it arrives here again.
-    __syncthreads();
   };
   auto copy_set = [&]() {  // set 1 -> set 0
 #pragma unroll
