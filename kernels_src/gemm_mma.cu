@@ -246,17 +246,41 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     if constexpr (WG) return (c >> 3) * (8 * M_TILES * 8) + row * 8 + ((c & 7) ^ (row & 7));
     return row * 32 + (c ^ (row & 7));
   };
+  // Thread t copies chunk t % 32 of rows t / 32, t / 32 + kThreads / 32, ...:
+  // the column, its bounds check and the row stride are fixed per call, so a
+  // 16-byte copy costs about 8 instructions (the general form below, index ->
+  // row and chunk, takes 29: 35% of the wgmma kernel's instructions at
+  // M = 128). At one n8 tile (8 rows, at most 2 per thread) the general form
+  // is kept: the hoisted addresses cost registers there (k=5: 96 -> 110, a
+  // CTA per SM).
+  constexpr int kThreads = WG ? 128 * WG : 128;  // the launch's block size
   auto load_x = [&](int kt_l, int buf) {
     const int rows = min(M, 8 * M_TILES);  // rows past M are never read
-    for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
-      const int row = i >> 5, c = i & 31;
+    if constexpr (WG || M_TILES > 1) {
+      const int c = threadIdx.x & 31;
       const int col = kt_l * 256 + 8 * c;
-      const bool valid = col < K_dim;  // row < M: rows = min(M, 8 * M_TILES)
-      const T* src = valid ? A + (long long)row * K_dim + col : A;
-      const unsigned dst = (unsigned)__cvta_generic_to_shared(
-          x_stage + x_align + buf * kStageChunks + x_chunk(row, c));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                   "r"(valid ? 16 : 0));
+      const unsigned bytes = col < K_dim ? 16 : 0;  // past K_dim: zero-filled
+      const T* src = A + (long long)(threadIdx.x >> 5) * K_dim + (bytes ? col : 0);
+      const unsigned base =
+          (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
+#pragma unroll(WG ? 4 : 1)
+      for (int row = threadIdx.x >> 5; row < rows; row += kThreads / 32) {
+        const unsigned dst = base + 16u * x_chunk(row, c);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(bytes));
+        src += (long long)(kThreads / 32) * K_dim;
+      }
+    } else {
+      for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
+        const int row = i >> 5, c = i & 31;
+        const int col = kt_l * 256 + 8 * c;
+        const bool valid = col < K_dim;  // row < M: rows = min(M, 8 * M_TILES)
+        const T* src = valid ? A + (long long)row * K_dim + col : A;
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(
+            x_stage + x_align + buf * kStageChunks + x_chunk(row, c));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(valid ? 16 : 0));
+      }
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
