@@ -346,27 +346,28 @@ def has_wgmma() -> bool:
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
 # beyond (GPUs without wgmma). From the H100 sweep
-# benchmarks/results/gemm_sweep_h100_d9006df_*.json (7 layers, M 1..1024,
+# benchmarks/results/gemm_sweep_h100_4b35815_*.json (7 layers, M 1..1024,
 # k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py): mma won up to
-# M = 192 on 8192x57344 (N >= 32768), up to 128 on layers with N >= 16384 or
-# K_dim >= 8192, up to 96 on 4096x6144 and up to 48..64 on the 2048x768 and
-# 768x2048 layers.
+# M = 192 on the layers with N >= 16384 (4096x28672, 8192x57344), up to 128
+# on the other layers with >= 2^24 weights and up to 64 on 2048x768 and
+# 768x2048. (Since 4b35815's activation staging; until then 96 on 4096x6144
+# and 192 only from N >= 32768.)
 _AUTO_MMA_MAX_M = 64
-_AUTO_MMA_MAX_M_MID = 96  # N * K_dim >= _MID_WEIGHTS
+_AUTO_MMA_MAX_M_MID = 128  # N * K_dim >= _MID_WEIGHTS
 _AUTO_MMA_MAX_M_LARGE = 128  # N >= _WIDE_N or K_dim >= _LONG_K
 _AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N
 _MID_WEIGHTS = 1 << 24
 _LONG_K = 8192
 _WIDE_N = 16384
-_WIDEST_N = 32768
-# sm_90 (wgmma): from gemm_sweep_h100_8b16c73_*.json, mma then wgmma then
-# dequantize + cuBLAS. On the large layers mma won up to M = 8 at k = 2 and
-# 4 (at M = 16 wgmma by 0-5%, in both sweeps of 8b16c73) and up to 16 at
+_WIDEST_N = 16384
+# sm_90 (wgmma): derived from gemm_sweep_h100_8b16c73_*.json, mma then wgmma
+# then dequantize + cuBLAS. On the large layers mma won up to M = 8 at k = 2
+# and 4 (at M = 16 wgmma by 0-5%, in both sweeps of 8b16c73) and up to 16 at
 # k = 3 and 5 (by 0-7%), wgmma from there to 256 (M = 1024: dequantize +
 # cuBLAS); on 4096x6144 mma to 16..32, wgmma from 32..48 to 192; on 2048x768
-# and 768x2048 wgmma never won. The 518cd1f sweep (same kernels but the mma
-# pair-table build) agrees: worst pick 1.03x the best kernel on the large
-# layers, 1.01x on the small ones.
+# and 768x2048 wgmma never won. The 4b35815 sweep (one barrier per K tile,
+# faster activation staging) keeps it within 1.04x of the best kernel at
+# every point (wgmma now also wins 8192x57344 k=4 at M = 1..8 by about 1%).
 _AUTO_MMA_MAX_M_SM90_LARGE = 16  # k = 3, 5
 _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K = 8  # k = 2, 4
 _AUTO_MMA_MAX_M_SM90_MID = 32
