@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
       const T* src = A + (long long)(threadIdx.x >> 5) * K_dim + (bytes ? col : 0);
       const unsigned base =
           (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
-#pragma unroll(WG ? 4 : 1)
+#pragma unroll(WG && !(K == 5 && M_TILES == 16) ? 4 : 1)
       for (int row = threadIdx.x >> 5; row < rows; row += kThreads / 32) {
         const unsigned dst = base + 16u * x_chunk(row, c);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
