@@ -263,6 +263,8 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
       const T* src = A + (long long)(threadIdx.x >> 5) * K_dim + (bytes ? col : 0);
       const unsigned base =
           (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
+      // Unrolled on the wgmma path (up to 11 rows per thread), except k=5 at
+      // 16 n8 tiles, which spills 16 bytes unrolled.
 #pragma unroll(WG && !(K == 5 && M_TILES == 16) ? 4 : 1)
       for (int row = threadIdx.x >> 5; row < rows; row += kThreads / 32) {
         const unsigned dst = base + 16u * x_chunk(row, c);
