@@ -366,8 +366,9 @@ _WIDEST_N = 16384
 # k = 3 and 5 (by 0-7%), wgmma from there to 256 (M = 1024: dequantize +
 # cuBLAS); on 4096x6144 mma to 16..32, wgmma from 32..48 to 192; on 2048x768
 # and 768x2048 wgmma never won. The 4b35815 sweep (one barrier per K tile,
-# faster activation staging) keeps it within 1.04x of the best kernel at
-# every point (wgmma now also wins 8192x57344 k=4 at M = 1..8 by about 1%).
+# faster activation staging) and the 3349606 sweep keep it within 1.04x of the
+# best kernel at every point (wgmma now also wins 8192x57344 k=4 at M = 1..8
+# by about 1% in one of them).
 _AUTO_MMA_MAX_M_SM90_LARGE = 16  # k = 3, 5
 _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K = 8  # k = 2, 4
 _AUTO_MMA_MAX_M_SM90_MID = 32
