@@ -346,31 +346,32 @@ def has_wgmma() -> bool:
 
 # kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
 # beyond (GPUs without wgmma). From the H100 sweep
-# benchmarks/results/gemm_sweep_h100_4b35815_*.json (7 layers, M 1..1024,
+# benchmarks/results/gemm_sweep_h100_09ff1ea_*.json (7 layers, M 1..1024,
 # k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py): mma won up to
-# M = 192 on the layers with N >= 16384 (4096x28672, 8192x57344), up to 128
-# on the other layers with >= 2^24 weights and up to 64 on 2048x768 and
-# 768x2048. (Since 4b35815's activation staging; until then 96 on 4096x6144
-# and 192 only from N >= 32768.)
+# M = 192 on the layers with N >= 16384 (4096x28672, 8192x57344) and on
+# 28672x8192 at k <= 4, up to 128 on the other layers with >= 2^24 weights
+# and up to 64 on 2048x768 and 768x2048. (Since 4b35815's activation staging;
+# until then 96 on 4096x6144 and 192 only from N >= 32768.) Worst pick: 1.01x
+# the best measured kernel.
 _AUTO_MMA_MAX_M = 64
 _AUTO_MMA_MAX_M_MID = 128  # N * K_dim >= _MID_WEIGHTS
 _AUTO_MMA_MAX_M_LARGE = 128  # N >= _WIDE_N or K_dim >= _LONG_K
-_AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N
+_AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N, or K_dim >= _LONGEST_K at k <= 4
 _MID_WEIGHTS = 1 << 24
 _LONG_K = 8192
 _WIDE_N = 16384
 _WIDEST_N = 16384
-# sm_90 (wgmma): derived from gemm_sweep_h100_8b16c73_*.json, mma then wgmma
-# then dequantize + cuBLAS. On the large layers mma won up to M = 8 at k = 2
-# and 4 (at M = 16 wgmma by 0-5%, in both sweeps of 8b16c73) and up to 16 at
-# k = 3 and 5 (by 0-7%), wgmma from there to 256 (M = 1024: dequantize +
-# cuBLAS); on 4096x6144 mma to 16..32, wgmma from 32..48 to 192; on 2048x768
-# and 768x2048 wgmma never won. The 4b35815 sweep (one barrier per K tile,
-# faster activation staging) and the 3349606 sweep keep it within 1.04x of the
-# best kernel at every point (wgmma now also wins 8192x57344 k=4 at M = 1..8
-# by about 1% in one of them).
-_AUTO_MMA_MAX_M_SM90_LARGE = 16  # k = 3, 5
-_AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K = 8  # k = 2, 4
+_LONGEST_K = 16384
+# sm_90 (wgmma): mma, then wgmma, then dequantize + cuBLAS. From the
+# 09ff1ea sweep: on the large layers mma wins up to M = 16 (fp16: the ALU
+# scale decode made mma 5-8% faster than wgmma at M = 16, k = 4; bf16 up to 8
+# at k = 2 and 4, as in the 8b16c73 sweep the table was first derived from),
+# wgmma from there to 256 (M = 1024: dequantize + cuBLAS); on 4096x6144 mma
+# to 32, wgmma to 192; on 2048x768 and 768x2048 wgmma never wins. Worst pick:
+# 1.05x the best measured kernel on layers with >= 2^24 weights, 1.00x on the
+# small ones.
+_AUTO_MMA_MAX_M_SM90_LARGE = 16  # fp16, and bf16 at k = 3, 5
+_AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K = 8  # bf16 at k = 2, 4
 _AUTO_MMA_MAX_M_SM90_MID = 32
 _AUTO_WG_MAX_M_LARGE = 256
 _AUTO_WG_MAX_M_MID = 192
@@ -386,14 +387,15 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         wgmma = _device_has_wgmma()
     if wgmma:
         if N >= _WIDE_N or K_dim >= _LONG_K:
-            mma_max = _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K if k in (2, 4) else _AUTO_MMA_MAX_M_SM90_LARGE
+            even = k in (2, 4) and not _is_fp16(dtype)
+            mma_max = _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K if even else _AUTO_MMA_MAX_M_SM90_LARGE
             wg_max = _AUTO_WG_MAX_M_LARGE
         elif N * K_dim >= _MID_WEIGHTS:
             mma_max, wg_max = _AUTO_MMA_MAX_M_SM90_MID, _AUTO_WG_MAX_M_MID
         else:
             mma_max, wg_max = _AUTO_MMA_MAX_M, _AUTO_MMA_MAX_M  # wgmma never wins
         return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
-    if N >= _WIDEST_N:
+    if N >= _WIDEST_N or (K_dim >= _LONGEST_K and k <= 4):
         limit = _AUTO_MMA_MAX_M_WIDEST
     elif N >= _WIDE_N or K_dim >= _LONG_K:
         limit = _AUTO_MMA_MAX_M_LARGE
@@ -402,6 +404,13 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     else:
         limit = _AUTO_MMA_MAX_M
     return "mma" if M <= limit else "dequant"
+
+
+def _is_fp16(dtype) -> bool:
+    try:
+        return np.dtype(dtype) == np.float16
+    except TypeError:  # a name NumPy does not know (bfloat16 without ml_dtypes)
+        return str(dtype) == "float16"
 
 
 def _device_has_wgmma() -> bool:
