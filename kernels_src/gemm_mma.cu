@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
 
   // The tables are built while the first loads are in flight; the barrier at
   // the top of the loop orders these writes before any read.
-  // E4M4 code -> (scale, scale) in T, built once per CTA.
-  // fp16 activations: an E4M4 code c as fp16 bits c << 6 is exactly s / 16
+  // E4M4 code -> (scale, scale) in T, built once per CTA, except where the
+  // pair is computed instead. fp16 activations: an E4M4 code c as fp16 bits c << 6 is exactly s / 16
   // (the 15 subnormal codes included), so (s, s) is one byte_perm (c into
   // both halves), one shift and an HMUL2 by (16, 16), with no shared-memory
   // load. Measured on the H100 against the table (in-process A/B at 3349606,
@@ -343,8 +343,9 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     // mma: built by shuffles from the lane-register codebook `cb`, no loads in
     // the loop (a warp-uniform trip count). Measured on the H100 against the
     // loop of codebook loads below (16 dependent L2 round trips per thread at
-    // k=4): 2048x768 and 768x2048 M=1 +13-14%, 4096x6144 +7%, the large layers
-    // within -1..+1.5%, where the first tile's DRAM loads hide the build.
+    // k=4), in two A/B runs: 2048x768 and 768x2048 M=1 +0..14%, 4096x6144
+    // +1..7%, the large layers within -1..+1.5%, where the first tile's DRAM
+    // loads hide the build.
     for (int i0 = warp * 32; i0 < kPairs * 8; i0 += blockDim.x) {
       const int i = i0 + lane, b = (i >> 3) & (kPairs - 1);
       const unsigned v = (__shfl_sync(kFullMask, cb, b & ((1 << K) - 1)) & 0xffffu) |
