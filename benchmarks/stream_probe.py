@@ -1,6 +1,6 @@
 """Probe (device, sm_90): how fast can a warp-per-stream kernel read DRAM?
 
-usage: python benchmarks/stream_probe.py [--mbytes 250] [--chunk 2048]
+usage: python benchmarks/stream_probe.py [--mbytes 320] [--chunk 2048] [--layer 8192x57344] [--kbit]
 
 kbit_gemm's mma kernel at M=1 reads its weights the way `regs` does here:
 each warp streams its own contiguous region in 2 KB chunks (k=4: one 16 x 256
@@ -135,8 +135,7 @@ def main() -> None:
     ops = {}
     outs = cp.zeros(sms * 32 * 2048, cp.uint32)
     total_words = args.mbytes * 2**20 // 16
-    buf = cp.random.default_rng(0).integers(0, 2**31, size=total_words * 4, dtype=cp.uint32)
-    bufp = buf.view(cp.uint32)
+    bufp = cp.random.default_rng(0).integers(0, 2**31, size=total_words * 4, dtype=cp.uint32)
     configs = {}
     for cps in (4, 5, 8) if args.chunk == 2048 else ():
         n_warps = sms * cps * 4
