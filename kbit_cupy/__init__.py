@@ -4,6 +4,7 @@ NumPy arrays in -> the NumPy path, NumPy out. CuPy arrays in -> CUDA kernels
 compiled at run time by NVRTC, CuPy out. FORMAT.md is the contract.
 """
 
+from .codebook import fit_codebook
 from .format import create_normal_float_codebook, decode_absmax_e4m4, encode_absmax_e4m4
 from .gemm import KbitWeight, kbit_gemm, quantize_weight, repack_for_gemm, unpack_from_gemm
 from .quantize import dequantize_kbit, quantize_kbit
@@ -16,6 +17,7 @@ __all__ = [
     "decode_absmax_e4m4",
     "dequantize_kbit",
     "encode_absmax_e4m4",
+    "fit_codebook",
     "kbit_gemm",
     "quantize_kbit",
     "quantize_weight",
