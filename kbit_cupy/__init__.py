@@ -8,6 +8,13 @@ from .codebook import fit_codebook
 from .format import create_normal_float_codebook, decode_absmax_e4m4, encode_absmax_e4m4
 from .gemm import KbitWeight, kbit_gemm, quantize_weight, repack_for_gemm, unpack_from_gemm
 from .quantize import dequantize_kbit, quantize_kbit
+from .serialization import (
+    load_quantized,
+    read_safetensors,
+    read_safetensors_metadata,
+    save_quantized,
+    write_safetensors,
+)
 
 __version__ = "0.1.0"
 
@@ -19,8 +26,13 @@ __all__ = [
     "encode_absmax_e4m4",
     "fit_codebook",
     "kbit_gemm",
+    "load_quantized",
     "quantize_kbit",
     "quantize_weight",
+    "read_safetensors",
+    "read_safetensors_metadata",
     "repack_for_gemm",
+    "save_quantized",
     "unpack_from_gemm",
+    "write_safetensors",
 ]

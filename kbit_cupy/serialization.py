@@ -1,0 +1,469 @@
+"""Safetensors files without torch, and quantized models stored in them.
+
+``read_safetensors`` / ``write_safetensors`` implement the ecosystem's
+safetensors format (the one Hugging Face ``model.safetensors`` files use):
+
+    8 bytes   little-endian uint64 N, the header length
+    N bytes   UTF-8 JSON: {"__metadata__": {str: str},                 (optional)
+                           "<name>": {"dtype": "F32", "shape": [..],
+                                      "data_offsets": [begin, end]}, ...}
+              padded with spaces so the data starts 8-byte aligned
+    rest      the tensors' bytes, little-endian, C order; offsets are relative
+              to the first data byte and the ranges tile the rest exactly
+
+``save_quantized`` / ``load_quantized`` store a quantized model (names mapped
+to ``KbitWeight`` objects or plain arrays) in an ordinary safetensors file:
+weight ``w`` becomes the tensors ``w.packed`` (uint32, the FORMAT.md section 5
+bit-planes, not the kernels' tiles), ``w.absmax`` (uint8 E4M4 codes or
+float16) and ``w.codebook`` (float32), and the ``__metadata__`` key
+``"kbit_cupy"`` holds a JSON document with the format version and, per
+weight, ``k``, ``shape`` and ``absmax_format``. Any safetensors reader can
+open such a file; only ``load_quantized`` turns it back into weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._arrays import BFLOAT16, as_module_array, gpu_available, is_device_array, to_host
+from .gemm import KbitWeight
+from .quantize import ABSMAX_FORMATS
+
+# The safetensors dtype names and the NumPy dtypes they are read into.
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("<u1"),
+    "I8": np.dtype("<i1"),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "F16": np.dtype("<f2"),
+    "BF16": BFLOAT16,
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "F32": np.dtype("<f4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "F64": np.dtype("<f8"),
+}
+METADATA_KEY = "kbit_cupy"  # the __metadata__ entry save_quantized writes; reserved
+FORMAT_VERSION = 1  # of the METADATA_KEY document; load_quantized reads exactly this
+WEIGHT_PARTS = ("packed", "absmax", "codebook")  # weight w -> tensors w.packed, ...
+DEVICES = ("cpu", "gpu")
+
+_HEADER_LENGTH_BYTES = 8
+_ALIGN = 8  # the data starts at a multiple of this (the reference writer pads so)
+_MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit: larger is not a header
+_CORRUPT = "the file is truncated or damaged; download or write it again"
+_RESAVE = "the file is damaged or was edited; write it again with save_quantized"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor's header entry; ``begin``/``end`` are relative to the data start."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _bad_file(path, problem: str, fix: str = _CORRUPT) -> ValueError:
+    return ValueError(f"{os.fspath(path)}: {problem}; {fix}")
+
+
+def _check_device(device) -> None:
+    if device not in DEVICES:
+        raise ValueError(f'device must be "cpu" (NumPy) or "gpu" (CuPy), got {device!r}')
+    if device == "gpu" and not gpu_available():
+        raise RuntimeError(
+            'device="gpu" needs CuPy and a CUDA GPU, and none was found; install CuPy '
+            '(pip install cupy-cuda12x) on a machine with a GPU, or use device="cpu"'
+        )
+
+
+def _on_device(value, device: str):
+    """``value`` (host array or KbitWeight) moved to ``device``."""
+    if device == "cpu":
+        return value
+    if isinstance(value, KbitWeight):
+        return value.to_device()
+    import cupy
+
+    return cupy.asarray(value)
+
+
+# --------------------------------------------------------------------------
+# reading
+
+
+def _unique_keys(pairs: list) -> dict:
+    # JSON allows repeated keys and json.loads keeps the last; two tensors of
+    # one name mean a damaged file, so refuse instead of guessing.
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice")
+        obj[key] = value
+    return obj
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _parse_entry(path, name: str, raw) -> _Entry:
+    where = f"tensor {name!r}"
+    if not isinstance(raw, dict) or not {"dtype", "shape", "data_offsets"} <= raw.keys():
+        raise _bad_file(path, f"{where}: header entry {raw!r} lacks dtype, shape or data_offsets")
+    dtype = SAFETENSORS_DTYPES.get(raw["dtype"])
+    if dtype is None:
+        raise _bad_file(
+            path,
+            f"{where} has dtype {raw['dtype']!r}, which this reader does not know",
+            f"supported: {', '.join(SAFETENSORS_DTYPES)}; convert the tensor when saving it",
+        )
+    shape, offsets = raw["shape"], raw["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _bad_file(path, f"{where} has shape {shape!r}, not a list of sizes >= 0")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))
+            or offsets[0] > offsets[1]):
+        raise _bad_file(path, f"{where} has data_offsets {offsets!r}, not [begin, end], begin <= end")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise _bad_file(
+            path,
+            f"{where}: {raw['dtype']} x {shape} needs {nbytes} bytes but data_offsets "
+            f"{offsets} span {offsets[1] - offsets[0]}",
+        )
+    return _Entry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_tiling(path, entries: list[_Entry], data_bytes: int) -> None:
+    """The tensors' byte ranges (sorted by begin) must cover the data exactly once."""
+    position = 0
+    for entry in entries:
+        if entry.begin != position:
+            problem = "overlaps the tensor before it" if entry.begin < position else (
+                f"leaves a hole of {entry.begin - position} bytes before it")
+            raise _bad_file(path, f"tensor {entry.name!r} at data_offsets "
+                                  f"[{entry.begin}, {entry.end}] {problem}")
+        position = entry.end
+    if position != data_bytes:
+        problem = (f"the tensors need {position} data bytes but the file has {data_bytes}"
+                   if position > data_bytes else
+                   f"{data_bytes - position} data bytes at the end belong to no tensor")
+        raise _bad_file(path, problem)
+
+
+def _read_header(f, path) -> tuple[list[_Entry], dict[str, str], int]:
+    """(entries sorted by offset, the whole ``__metadata__``, data start) of open file ``f``."""
+    file_bytes = os.fstat(f.fileno()).st_size
+    if file_bytes < _HEADER_LENGTH_BYTES:
+        raise _bad_file(path, f"{file_bytes} bytes is too short for a safetensors file",
+                        "it is not a safetensors file, or it is truncated")
+    header_bytes = int.from_bytes(f.read(_HEADER_LENGTH_BYTES), "little")
+    if header_bytes > min(_MAX_HEADER_BYTES, file_bytes - _HEADER_LENGTH_BYTES):
+        raise _bad_file(
+            path,
+            f"the first 8 bytes give a header length of {header_bytes} bytes for a file of "
+            f"{file_bytes} bytes",
+            "it is not a safetensors file, or it is truncated",
+        )
+    try:
+        header = json.loads(f.read(header_bytes).decode("utf-8"), object_pairs_hook=_unique_keys)
+    except ValueError as exc:  # also UnicodeDecodeError and repeated keys
+        raise _bad_file(path, f"the header is not valid UTF-8 JSON ({exc})",
+                        "it is not a safetensors file, or it is damaged") from exc
+    if not isinstance(header, dict):
+        raise _bad_file(path, f"the header is a JSON {type(header).__name__}, not an object",
+                        "it is not a safetensors file")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad_file(path, f"__metadata__ must map strings to strings, got {metadata!r}")
+    entries = sorted((_parse_entry(path, name, raw) for name, raw in header.items()),
+                     key=lambda e: (e.begin, e.end))
+    data_start = _HEADER_LENGTH_BYTES + header_bytes
+    _check_tiling(path, entries, file_bytes - data_start)
+    return entries, metadata, data_start
+
+
+def _read_host(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors as NumPy arrays (in file order) and the whole ``__metadata__``."""
+    with open(path, "rb") as f:
+        entries, metadata, data_start = _read_header(f, path)
+        f.seek(data_start)  # entries tile the data in order: one sequential read
+        tensors = {}
+        for entry in entries:
+            # One fresh array per tensor: aligned, writable, freed independently.
+            array = np.empty(entry.shape, dtype=entry.dtype)
+            if f.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:
+                raise _bad_file(path, f"tensor {entry.name!r}: the file ended early")
+            tensors[entry.name] = array
+    return tensors, metadata
+
+
+def read_safetensors(path: str | os.PathLike, *, device: str = "cpu") -> dict:
+    """Read every tensor of a safetensors file (e.g. a Hugging Face ``model.safetensors``).
+
+    path : the file.
+    device : ``"cpu"`` (NumPy arrays, the default) or ``"gpu"`` (CuPy arrays on
+        the current CUDA device).
+
+    Returns ``{name: array}`` in file order, each array with the stored shape
+    and the NumPy dtype of ``SAFETENSORS_DTYPES`` (``BF16`` is
+    ``ml_dtypes.bfloat16``), C-contiguous and writable. The file's
+    ``__metadata__`` comes from ``read_safetensors_metadata``.
+
+    Raises ValueError (naming the file) if the file is not a safetensors file,
+    is truncated, has an absurd header length, malformed JSON, an unknown
+    dtype, a byte range that does not match dtype x shape, or byte ranges that
+    overlap, leave holes or run past the end; ValueError for a bad ``device``;
+    RuntimeError for ``device="gpu"`` without CuPy or a GPU; OSError if the
+    file cannot be opened.
+    """
+    _check_device(device)
+    tensors, _ = _read_host(path)
+    return {name: _on_device(array, device) for name, array in tensors.items()}
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The user metadata (``__metadata__``) of a safetensors file, ``{}`` if it has none.
+
+    Only the header is read. For a file from ``save_quantized`` this is the
+    ``metadata`` given there: the reserved ``"kbit_cupy"`` entry (the format
+    document) is left out. Raises ValueError as ``read_safetensors`` does.
+    """
+    with open(path, "rb") as f:
+        _, metadata, _ = _read_header(f, path)
+    return {key: value for key, value in metadata.items() if key != METADATA_KEY}
+
+
+# --------------------------------------------------------------------------
+# writing
+
+
+def _dtype_name(path, name: str, dtype: np.dtype) -> str:
+    for dtype_name, stored in SAFETENSORS_DTYPES.items():
+        if dtype == stored:
+            return dtype_name
+    raise TypeError(
+        f"{os.fspath(path)}: tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
+        f"supported: {', '.join(str(d) for d in SAFETENSORS_DTYPES.values())}; "
+        "convert it with .astype(...) first"
+    )
+
+
+def _check_name(path, name) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{os.fspath(path)}: tensor names must be str, got {name!r}")
+    if name == "__metadata__":
+        raise ValueError(f"{os.fspath(path)}: '__metadata__' is reserved by the format; "
+                         "rename the tensor")
+
+
+def _host_tensor(path, name, value) -> np.ndarray:
+    """A validated little-endian NumPy copy (or view) of ``value`` to store as ``name``."""
+    _check_name(path, name)
+    if not (isinstance(value, np.ndarray) or is_device_array(value)):
+        raise TypeError(f"{os.fspath(path)}: tensor {name!r} must be a NumPy or CuPy array, got "
+                        f"{type(value).__name__}; wrap it with np.asarray(...)")
+    array = to_host(as_module_array(value, name)[1])
+    if array.dtype.byteorder == ">":  # the format is little-endian
+        array = array.astype(array.dtype.newbyteorder("<"))
+    _dtype_name(path, name, array.dtype)
+    return array
+
+
+def _check_metadata(path, metadata) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise TypeError(f"{os.fspath(path)}: metadata must map str to str, got {metadata!r}; "
+                        "encode other values with json.dumps")
+    if METADATA_KEY in metadata:
+        raise ValueError(f"{os.fspath(path)}: the metadata key {METADATA_KEY!r} is reserved for "
+                         "save_quantized's format document; use another key")
+    return dict(metadata)
+
+
+def _write(path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """Write validated host arrays; ``metadata`` may hold the reserved key."""
+    # Widest items first: with the data 8-byte aligned, every tensor then
+    # starts at a multiple of its item size (what the reference writer does).
+    order = sorted(tensors, key=lambda name: -tensors[name].dtype.itemsize)
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    position = 0
+    for name in order:
+        array = tensors[name]
+        header[name] = {
+            "dtype": _dtype_name(path, name, array.dtype),
+            "shape": list(array.shape),
+            "data_offsets": [position, position + array.nbytes],
+        }
+        position += array.nbytes
+    header_json = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_json += b" " * (-(_HEADER_LENGTH_BYTES + len(header_json)) % _ALIGN)
+    with open(path, "wb") as f:
+        f.write(len(header_json).to_bytes(_HEADER_LENGTH_BYTES, "little"))
+        f.write(header_json)
+        for name in order:
+            f.write(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8))
+
+
+def write_safetensors(
+    path: str | os.PathLike, tensors: Mapping, metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write arrays to a safetensors file that any safetensors reader opens.
+
+    path : the file (overwritten).
+    tensors : ``{name: array}``, NumPy or CuPy (copied to the host), any shape
+        (0-d and empty included), dtype one of ``SAFETENSORS_DTYPES``
+        (bool, u/int8..64, float16, ``ml_dtypes.bfloat16``, float32, float64).
+    metadata : optional ``{str: str}``, stored as ``__metadata__`` and
+        returned by ``read_safetensors_metadata``.
+
+    Everything is checked before the file is opened, so an error leaves no
+    partial file. Raises TypeError for a non-str name, a value that is not an
+    array, an unsupported dtype (complex, object, ...) or metadata that is
+    not str -> str; ValueError for the name ``"__metadata__"`` or the metadata
+    key ``"kbit_cupy"`` (reserved).
+    """
+    metadata = _check_metadata(path, metadata)
+    _write(path, {name: _host_tensor(path, name, v) for name, v in tensors.items()}, metadata)
+
+
+# --------------------------------------------------------------------------
+# quantized models
+
+
+def save_quantized(
+    path: str | os.PathLike, model: Mapping, metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write a quantized model to a safetensors file.
+
+    path : the file (overwritten).
+    model : ``{name: KbitWeight | array}``. Weight ``w`` is stored as the
+        tensors ``w.packed`` (uint32, FORMAT.md section 5 layout),
+        ``w.absmax`` (uint8 E4M4 codes or float16) and ``w.codebook``
+        (float32, ``2**k``); its ``k``, ``shape`` and absmax format go into the
+        ``"kbit_cupy"`` metadata document. Arrays (biases, norms, embeddings)
+        are stored as they are. NumPy or CuPy.
+    metadata : optional ``{str: str}`` of your own, returned by
+        ``read_safetensors_metadata``.
+
+    Raises ValueError if two entries would produce the same tensor name
+    (e.g. an array ``"w.packed"`` next to a weight ``"w"``), plus what
+    ``write_safetensors`` raises.
+    """
+    user_metadata = _check_metadata(path, metadata)
+    tensors: dict[str, np.ndarray] = {}
+    owner: dict[str, str] = {}  # tensor name -> the model entry that produced it
+    weights: dict[str, dict] = {}
+    for name, value in model.items():
+        if isinstance(value, KbitWeight):
+            _check_name(path, name)
+            parts = {f"{name}.{part}": getattr(value, part) for part in WEIGHT_PARTS}
+            weights[name] = {"k": value.k, "shape": list(value.shape),
+                             "absmax_format": value.absmax_format}
+        else:
+            parts = {name: value}
+        for tensor_name, array in parts.items():
+            if tensor_name in owner:
+                raise ValueError(
+                    f"{os.fspath(path)}: model entries {owner[tensor_name]!r} and {name!r} both "
+                    f"need the tensor name {tensor_name!r}; rename one of them"
+                )
+            owner[tensor_name] = name
+            tensors[tensor_name] = _host_tensor(path, tensor_name, array)
+    document = {"format_version": FORMAT_VERSION, "weights": weights}
+    _write(path, tensors, {**user_metadata, METADATA_KEY: json.dumps(document)})
+
+
+def _weight_specs(path, metadata: dict[str, str]) -> dict[str, dict]:
+    """``{name: {"k", "shape", "absmax_format"}}`` from the kbit_cupy document."""
+    if METADATA_KEY not in metadata:
+        raise _bad_file(path, "this is a plain safetensors file (no kbit_cupy metadata)",
+                        "read it with read_safetensors, or quantize and save_quantized it first")
+    try:
+        document = json.loads(metadata[METADATA_KEY])
+        version = document["format_version"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise _bad_file(path, f"the kbit_cupy metadata is not a valid document ({exc!r})") from exc
+    if version != FORMAT_VERSION:
+        raise _bad_file(path, f"kbit_cupy format version {version!r} is not supported (this "
+                              f"kbit_cupy reads version {FORMAT_VERSION})",
+                        "load it with the kbit_cupy version that wrote it")
+    weights = document.get("weights")
+    if not isinstance(weights, dict):
+        raise _bad_file(path, f"the kbit_cupy metadata has no 'weights' object: {document!r}")
+    for name, spec in weights.items():
+        if (not isinstance(spec, dict) or not isinstance(spec.get("k"), int)
+                or not isinstance(spec.get("shape"), list) or len(spec["shape"]) != 2
+                or spec.get("absmax_format") not in ABSMAX_FORMATS):
+            raise _bad_file(path, f"weight {name!r}: kbit_cupy metadata {spec!r} is not "
+                                  '{"k": int, "shape": [N, K_dim], "absmax_format": '
+                                  f"one of {list(ABSMAX_FORMATS)}}}", _RESAVE)
+    return weights
+
+
+def _weight_from_tensors(path, name: str, spec: dict, tensors: dict) -> KbitWeight:
+    """Take weight ``name``'s tensors out of ``tensors`` and check them against ``spec``."""
+    parts = {}
+    for part in WEIGHT_PARTS:
+        tensor_name = f"{name}.{part}"
+        if tensor_name not in tensors:
+            raise _bad_file(path, f"weight {name!r}: the tensor {tensor_name!r} is missing",
+                            _RESAVE)
+        parts[part] = tensors.pop(tensor_name)
+    expected = {"packed": np.dtype(np.uint32), "absmax": ABSMAX_FORMATS[spec["absmax_format"]],
+                "codebook": np.dtype(np.float32)}
+    for part, dtype in expected.items():
+        if parts[part].dtype != dtype:
+            raise _bad_file(path, f"weight {name!r}: {name}.{part} is {parts[part].dtype}, but "
+                                  f"the metadata (absmax_format={spec['absmax_format']!r}) "
+                                  f"says {dtype}", _RESAVE)
+    try:  # KbitWeight checks that the sizes fit k and shape
+        return KbitWeight(k=spec["k"], shape=tuple(spec["shape"]), **parts)
+    except (ValueError, TypeError) as exc:
+        raise _bad_file(path, f"weight {name!r} does not match its kbit_cupy metadata ({exc})",
+                        _RESAVE) from exc
+
+
+def load_quantized(path: str | os.PathLike, *, device: str = "cpu") -> dict:
+    """Read a model written by ``save_quantized``: the exact bits that were saved.
+
+    path : the file.
+    device : ``"cpu"`` (NumPy, the default) or ``"gpu"`` (CuPy on the current
+        CUDA device, ready for ``kbit_gemm``).
+
+    Returns ``{name: KbitWeight | array}``: a ``KbitWeight`` with the saved
+    ``packed``, ``absmax``, ``codebook``, ``k``, ``shape`` and absmax format
+    per quantized weight, and the plain arrays as stored. The user metadata
+    comes from ``read_safetensors_metadata(path)``.
+
+    Raises ValueError (naming the file) for everything ``read_safetensors``
+    rejects, for a plain safetensors file without kbit_cupy metadata (use
+    ``read_safetensors``), an unsupported format version, and metadata that
+    does not match the tensors (k, shape, absmax format, codebook length, a
+    missing tensor); ValueError for a bad ``device``, RuntimeError for
+    ``device="gpu"`` without CuPy or a GPU.
+    """
+    _check_device(device)
+    tensors, metadata = _read_host(path)
+    model = {}
+    for name, spec in _weight_specs(path, metadata).items():
+        model[name] = _weight_from_tensors(path, name, spec, tensors)
+    for name, array in tensors.items():  # what is left are the plain arrays
+        if name in model:
+            raise _bad_file(path, f"{name!r} is both a plain tensor and a quantized weight")
+        model[name] = array
+    return {name: _on_device(value, device) for name, value in model.items()}
