@@ -14,7 +14,8 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 def test_there_are_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
-        "01_quantization_quality.ipynb", "02_fused_matmul.ipynb", "03_benchmarks.ipynb"]
+        "01_quantization_quality.ipynb", "02_fused_matmul.ipynb", "03_benchmarks.ipynb",
+        "04_minilm_end_to_end.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
