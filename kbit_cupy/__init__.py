@@ -5,6 +5,7 @@ compiled at run time by NVRTC, CuPy out. FORMAT.md is the contract.
 """
 
 from .codebook import fit_codebook
+from .experts import KbitExperts, kbit_grouped_gemm, moe_linear, quantize_experts
 from .format import create_normal_float_codebook, decode_absmax_e4m4, encode_absmax_e4m4
 from .gemm import KbitWeight, kbit_gemm, quantize_weight, repack_for_gemm, unpack_from_gemm
 from .quantize import dequantize_kbit, quantize_kbit
@@ -19,6 +20,7 @@ from .serialization import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "KbitExperts",
     "KbitWeight",
     "create_normal_float_codebook",
     "decode_absmax_e4m4",
@@ -26,7 +28,10 @@ __all__ = [
     "encode_absmax_e4m4",
     "fit_codebook",
     "kbit_gemm",
+    "kbit_grouped_gemm",
     "load_quantized",
+    "moe_linear",
+    "quantize_experts",
     "quantize_kbit",
     "quantize_weight",
     "read_safetensors",

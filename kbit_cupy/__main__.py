@@ -177,6 +177,18 @@ def cmd_bench_gemm(args) -> int:
     return run(args)
 
 
+def cmd_bench_moe(args) -> int:
+    """kbit_grouped_gemm / moe_linear vs cuBLAS fp16 on mixture-of-experts layers."""
+    from ._arrays import gpu_available
+
+    if not gpu_available():
+        print("bench-moe needs a CUDA GPU; none found.", file=sys.stderr)
+        return 1
+    from .bench_moe import run
+
+    return run(args)
+
+
 def cmd_plot(args) -> int:
     """Speedup and roofline PNGs from bench results (no GPU needed)."""
     from .plots import plot_results
@@ -220,6 +232,15 @@ def main(argv=None) -> int:
         p.add_argument("--plot", action="store_true",
                        help="also write PREFIX_speedup.png and PREFIX_roofline.png (needs --out, matplotlib)")
         p.set_defaults(func=cmd_bench_gemm)
+    from .bench_moe import CONFIGS, DEFAULT_T
+
+    p = sub.add_parser("bench-moe", help=cmd_bench_moe.__doc__)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--t", nargs="+", type=int, default=DEFAULT_T, help="tokens per call")
+    p.add_argument("--k", nargs="+", type=int, default=[4])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None, help="path prefix for .json and .md results")
+    p.set_defaults(func=cmd_bench_moe)
     p = sub.add_parser("plot", help=cmd_plot.__doc__)
     p.add_argument("results", nargs="+", help="JSON files written by bench --out")
     p.add_argument("--out-dir", default=".", help="where the PNGs go")

@@ -106,10 +106,15 @@ def all_variants() -> list[Variant]:
                     for m_tiles in GEMM_WG_M_TILES:
                         wgs = gemm_wg_warpgroups(m_tiles, k)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
+                    for m_tiles in GEMM_GROUPED_M_TILES:  # mixture-of-experts launch
+                        out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, True)))
+    out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
     return out
 
 
+MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_route.cu)
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
+GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16)  # the same for the wgmma path (M <= 8 .. 128)
 
 
@@ -126,7 +131,7 @@ def gemm_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 def needs_sm90a(family: str, args: tuple) -> bool:
     """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu)."""
-    return family == "gemm_mma" and len(args) == 6 and args[5] > 0
+    return family == "gemm_mma" and len(args) >= 6 and args[5] > 0
 
 
 def variants_for(arch: str) -> list[Variant]:

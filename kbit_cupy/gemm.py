@@ -159,8 +159,25 @@ def unpack_from_gemm(tiles, scales, k: int, N: int, K_dim: int):
 # the weight object
 
 
+class _KbitArrays:
+    """What the quantized-tensor objects share: ``packed``, ``absmax``, ``codebook``, ``shape``."""
+
+    @property
+    def absmax_format(self) -> str:
+        return "e4m4" if self.absmax.dtype == np.uint8 else "fp16"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed indices + scales + codebook (the kernels' tiled copy is the same size)."""
+        return int(self.packed.nbytes + self.absmax.nbytes + self.codebook.nbytes)
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8.0 * (self.packed.nbytes + self.absmax.nbytes) / math.prod(self.shape)
+
+
 @dataclass
-class KbitWeight:
+class KbitWeight(_KbitArrays):
     """A k-bit quantized ``[N, K_dim]`` weight (FORMAT.md sections 5 and 7).
 
     ``packed`` (uint32 bit-planes), ``absmax`` (uint8 E4M4 codes or float16)
@@ -192,19 +209,6 @@ class KbitWeight:
                              f"got {self.absmax.dtype} {self.absmax.shape}")
         # The codebook follows the data (the kernels read it from device memory).
         self.codebook = xp.asarray(check_codebook(to_host(self.codebook), self.k))
-
-    @property
-    def absmax_format(self) -> str:
-        return "e4m4" if self.absmax.dtype == np.uint8 else "fp16"
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of packed indices + scales + codebook (the tiled copy is the same size)."""
-        return int(self.packed.nbytes + self.absmax.nbytes + self.codebook.nbytes)
-
-    @property
-    def bits_per_element(self) -> float:
-        return 8.0 * (self.packed.nbytes + self.absmax.nbytes) / (self.shape[0] * self.shape[1])
 
     def dequantize(self, dtype=np.float16):
         """The ``[N, K_dim]`` weight in ``dtype`` (FORMAT.md section 6)."""
@@ -420,6 +424,7 @@ def _device_has_wgmma() -> bool:
         return False
 
 
+_NULL = np.uint64(0)  # a null pointer kernel argument (the grouped launch's inputs)
 _counter_cache: dict[tuple[int, int], object] = {}
 _resident_cache: dict[tuple[int, int], int] = {}  # (kernel, dynamic shared) -> CTAs per SM
 
@@ -522,7 +527,8 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
                                    np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(group_units),
                                    np.int32(units // ctas),
                                    np.int32(units % ctas),
-                                   workspace, counters), shared_mem=shared)
+                                   workspace, counters, _NULL, np.int32(0), _NULL, np.int32(1)),
+         shared_mem=shared)
 
 
 __all__ = [

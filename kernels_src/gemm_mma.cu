@@ -54,6 +54,20 @@
 // CTA is WG warpgroups (4 WG warps, one row tile each) sharing the staged
 // activations. wgmma is asynchronous: block j's multiply runs while block
 // j + 1 decodes.
+//
+// Grouped launch (template argument GROUPED, mma.sync only): one launch
+// multiplies many experts of one shape, each by its own rows of A
+// (mixture-of-experts). Rows group_offsets[e] .. group_offsets[e+1] - 1 of A
+// (and of C) belong to expert e, whose tiles follow expert e - 1's. Each
+// expert's rows are cut into "problems" of up to 8 * M_TILES rows; the
+// (problem, group, K tile) units of all problems are split over the CTAs
+// as above (stream-K over every resident CTA, or, when the busiest SM then
+// runs fewer tiles, one CTA per group: little work, few K tiles), so every SM
+// gets the same share of the experts that have rows, and experts without
+// rows cost nothing. The problem
+// count is only known on the device: every CTA scans group_offsets into a
+// prefix count of problems per expert in shared memory first (no host round
+// trip, no extra launch), and finds a unit's expert by binary search in it.
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -148,13 +162,21 @@ constexpr int kMinCtas =
 // reuses each one for two row tiles (gemm.py chooses).
 // WG > 0: the Hopper path (see the header; sm_90a only) with WG warpgroups
 // per CTA, RPW = 1, the staged activations in wgmma's layout. WG = 0: mma.sync, 4 warps.
-template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0>
+// GROUPED: the grouped launch (see the header); M is then the rows of C, q
+// the GPU's SM count, rem unused, group_offsets holds experts + 1 row offsets, and
+// row_ids (optional) maps sorted rows to rows of C and, divided by
+// ids_per_row, of A.
+template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
+          bool GROUPED = false>
 __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale), M_TILES, RPW>) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
-    float* __restrict__ workspace, int* __restrict__ counters) {
+    float* __restrict__ workspace, int* __restrict__ counters,
+    const int* __restrict__ group_offsets, int experts, const int* __restrict__ row_ids,
+    int ids_per_row) {
   static_assert(!WG || (RPW == 1 && M_TILES <= 16), "wgmma: N = 8 .. 128");
+  static_assert(!GROUPED || (!WG && RPW == 1), "grouped: mma.sync, one row tile per warp");
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
@@ -165,19 +187,107 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // group's units past k_tiles (group_units > k_tiles) are padding that no
   // one computes: gemm.py pads so that ranges start at group boundaries when
   // whole split-K segments beat stream-K.
-  auto range_start = [&](int c) { return c * q + min(c, rem); };
+  // Grouped: q and rem come from the problem count (set below, before use).
+  int grouped_q = 0, grouped_rem = 0, grouped_ctas = 0;
+  auto range_start = [&](int c) {
+    if constexpr (GROUPED) return c * grouped_q + min(c, grouped_rem);
+    return c * q + min(c, rem);
+  };
   // Stream-K launches (CTAs, 1); split K launches (groups, splits), so
   // CTA (x, y) is segment y of group x and the launch order runs
   // group-fastest (measured 5% faster than segment-fastest). No integer
   // divisions on the way to the first load (each is a ~25-instruction chain).
   const bool split_k = gridDim.y > 1;
   const int cta = blockIdx.x * gridDim.y + blockIdx.y;
-  const int u_begin = range_start(cta), u_end = range_start(cta + 1);
-  // The CTA whose range holds unit v (ranges are never empty: ctas <= units).
+  // Grouped: the problems of expert e are problems tile_cum[e] ..
+  // tile_cum[e + 1] - 1; row_start[e] is its first row of A (offsets clamped
+  // to [0, M], so unchecked offsets never reach outside A or C).
+  extern __shared__ uint4 x_stage[];  // [kStages][8 * M_TILES][32] (WG: from x_stage + x_align)
+  constexpr int kStages = WG ? 3 : 2;
+  constexpr int kStageChunks = 8 * M_TILES * 32;
+  int* tile_cum = reinterpret_cast<int*>(x_stage + kStages * kStageChunks);  // [experts + 1]
+  int* row_start = tile_cum + experts + 1;  // [experts + 1]
+  const int problem_groups = (row_tiles + warps * RPW - 1) / (warps * RPW);
+  if constexpr (GROUPED) {
+    // Block-wide prefix count: thread i scans experts [i * per, (i + 1) * per).
+    const int per = (experts + blockDim.x - 1) / blockDim.x;
+    const int e0 = min(experts, (int)threadIdx.x * per), e1 = min(experts, e0 + per);
+    auto clamped = [&](int e) { return min(max(__ldg(group_offsets + e), 0), M); };
+    auto problems_of = [&](int e) {
+      const int rows = clamped(e + 1) - clamped(e);
+      return rows > 0 ? (rows + 8 * M_TILES - 1) / (8 * M_TILES) : 0;
+    };
+    int mine = 0;
+    for (int e = e0; e < e1; ++e) mine += problems_of(e);
+    __shared__ int warp_sums[32];
+    int before = cta_exclusive_scan(mine, warp_sums);
+    for (int e = e0; e < e1; ++e) {
+      tile_cum[e] = before;
+      row_start[e] = clamped(e);
+      before += problems_of(e);
+    }
+    if (threadIdx.x == blockDim.x - 1) {
+      tile_cum[experts] = before;
+      row_start[experts] = clamped(experts);
+    }
+    __syncthreads();
+    const int groups = tile_cum[experts] * problem_groups;
+    const int units = groups * k_tiles;  // < 2^31: experts.py
+    // CTAs used: all (stream-K), or one per group when that leaves the
+    // busiest SM fewer tiles (no partial tiles to reduce; gemm.py's
+    // _work_split model, in half tiles) and every SM still gets one. Measured
+    // on the H100 at T = 1: 8 experts of [2048, 768] 17.6 -> 13.2 us, of
+    // [1536, 2048] 20.4 -> 19.2 us; 10 of [512, 2048] (80 groups, fewer than
+    // the SMs) 13.7 -> 15.6 us, hence the SM condition. q carries the SM count.
+    const int sms = q, grid = (int)gridDim.x;
+    int ctas = grid;
+    if (groups >= sms && groups <= grid && ((groups + sms - 1) / sms) * 2 * k_tiles <=
+                              ((grid + sms - 1) / sms) * (2 * ((units + grid - 1) / grid) + 1))
+      ctas = max(groups, 1);
+    grouped_q = units / ctas;
+    grouped_rem = units % ctas;
+    grouped_ctas = ctas;
+  }
+  // Grouped: CTAs past the ones used have no units.
+  const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
+  const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
+  // The CTA whose range holds unit v (ranges are never empty: ctas <= units;
+  // grouped launches may have empty ones at the end, which hold no unit).
   auto cta_of = [&](int v) {
-    const int big = rem * (q + 1);
-    return v < big ? v / (q + 1) : rem + (v - big) / q;
+    const int qq = GROUPED ? grouped_q : q, rr = GROUPED ? grouped_rem : rem;
+    const int big = rr * (qq + 1);
+    return v < big ? v / (qq + 1) : rr + (v - big) / qq;
   };
+  // Grouped: where group grp (of all problems) lives: its group within the
+  // problem (gl), the problem's first tile (its expert's), rows of A.
+  struct Place {
+    int gl;        // group within the problem (the group itself when not grouped)
+    int p;         // problem (0 when not grouped)
+    int tile0;     // the expert's first tile
+    int row0;      // first row of A and C
+    int rows;      // rows of A (<= 8 * M_TILES when grouped)
+  };
+  auto locate = [&](int grp_l) {
+    Place pl{grp_l, 0, 0, 0, M};
+    if constexpr (GROUPED) {
+      pl.p = grp_l / problem_groups;
+      pl.gl = grp_l - pl.p * problem_groups;
+      int lo = 0, hi = experts;  // the last e with tile_cum[e] <= p (tile_cum[experts] > p)
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (tile_cum[mid] <= pl.p) lo = mid; else hi = mid;
+      }
+      pl.tile0 = lo * row_tiles * k_tiles;
+      pl.row0 = row_start[lo] + (pl.p - tile_cum[lo]) * 8 * M_TILES;
+      pl.rows = min(8 * M_TILES, row_start[lo + 1] - pl.row0);
+    }
+    return pl;
+  };
+  // Grouped: sorted row g of a problem is row a_row(g) of A and c_row(g) of
+  // C; with row_ids (moe_linear: pair i = row_ids[g], token i / ids_per_row)
+  // the rows are read and written in place, no gather or scatter.
+  auto c_row = [&](int g) { return row_ids ? __ldg(row_ids + g) : g; };
+  auto a_row = [&](int g) { return row_ids ? __ldg(row_ids + g) / ids_per_row : g; };
   // Row tile r of a group's warp; past the last one it is redone as the last
   // one (uniform control flow: barriers and shuffles see every warp and lane)
   // and stores nothing.
@@ -238,13 +348,10 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // swizzle layout (K-major): four 64-column slabs of 8 * M_TILES rows of 128
   // bytes, chunk c of row r at c ^ (r & 7), each slab 1024-byte aligned (the
   // dynamic buffer is aligned at run time; gemm.py adds 1 KB).
-  extern __shared__ uint4 x_stage[];  // [kStages][8 * M_TILES][32] (WG: from x_stage + x_align)
   const int x_align =
       WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
-  constexpr int kStageChunks = 8 * M_TILES * 32;
-  // WG: three stages, so refilling the stage of tile i - 2 needs no wait for
-  // the tensor cores at the end of every tile (see tile()).
-  constexpr int kStages = WG ? 3 : 2;
+  // WG: three stages (kStages above), so refilling the stage of tile i - 2
+  // needs no wait for the tensor cores at the end of every tile (see tile()).
   auto x_chunk = [&](int row, int c) {  // chunk c (16 bytes) of staged row `row`
     if constexpr (WG) return (c >> 3) * (8 * M_TILES * 8) + row * 8 + ((c & 7) ^ (row & 7));
     return row * 32 + (c ^ (row & 7));
@@ -256,10 +363,25 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // M = 128). At one n8 tile (8 rows, at most 2 per thread) the general form
   // is kept: the hoisted addresses cost registers there (k=5: 96 -> 110, a
   // CTA per SM).
+  // Grouped: the rows of a problem (Place: rows row0 .. row0 + rows - 1 of A);
+  // all 8 * M_TILES staged rows are written, those past `rows` zero-filled.
   constexpr int kThreads = WG ? 128 * WG : 128;  // the launch's block size
-  auto load_x = [&](int kt_l, int buf) {
-    const int rows = min(M, 8 * M_TILES);  // rows past M are never read
-    if constexpr (WG || M_TILES > 1) {
+  auto load_x = [&](int kt_l, int buf, int from_row0, int from_rows) {
+    if constexpr (GROUPED) {
+      // All 8 * M_TILES staged rows; row r of the problem is row
+      // a_row(from_row0 + r) of A, those past from_rows zero-filled.
+      const unsigned base =
+          (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
+      for (int i = threadIdx.x; i < 8 * M_TILES * 32; i += kThreads) {
+        const int row = i >> 5, c = i & 31;
+        const int col = kt_l * 256 + 8 * c;
+        const bool valid = col < K_dim && row < from_rows;
+        const T* src = valid ? A + (long long)a_row(from_row0 + row) * K_dim + col : A;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                         base + 16u * x_chunk(row, c)), "l"(src), "r"(valid ? 16 : 0));
+      }
+    } else if constexpr (WG || M_TILES > 1) {
+      const int rows = min(M, 8 * M_TILES);  // rows past M are never read
       const int c = threadIdx.x & 31;
       const int col = kt_l * 256 + 8 * c;
       const unsigned bytes = col < K_dim ? 16 : 0;  // past K_dim: zero-filled
@@ -276,6 +398,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
         src += (long long)(kThreads / 32) * K_dim;
       }
     } else {
+      const int rows = min(M, 8 * M_TILES);  // rows past M are never read
       for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
         const int row = i >> 5, c = i & 31;
         const int col = kt_l * 256 + 8 * c;
@@ -289,10 +412,10 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
-  {
+  if constexpr (!GROUPED) {
     // Every staged row is read (ldmatrix, wgmma): rows past M hold zeros (the
     // columns of C they feed are never stored, but they are not left
-    // uninitialised).
+    // uninitialised). Grouped launches zero-fill them in load_x.
     const int rows_past = 8 * M_TILES - min(M, 8 * M_TILES);
     for (int i = threadIdx.x; i < rows_past * 32; i += blockDim.x) {
       const int row = M + (i >> 5), c = i & 31;
@@ -301,11 +424,13 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
         x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+  Place cur = locate(grp), nxt = cur;  // the current segment's place, the next one's
   if (u_begin < u_end) {
-    load_x(kt, 0);
+    load_x(kt, 0, cur.row0, cur.rows);
     int idx[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) idx[r] = row_tile(grp, r) * k_tiles + kt;
+    for (int r = 0; r < RPW; ++r)
+      idx[r] = (GROUPED ? cur.tile0 + row_tile(cur.gl, r) * k_tiles : row_tile(grp, r) * k_tiles) + kt;
     load_tile(idx, w_s[0], raw_s[0]);
   }
 
@@ -376,7 +501,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   };
   // The end of a segment: store C, or a partial tile (see the header).
   // K tiles seg_kt0 .. seg_kt1 - 1 of group seg_grp are in acc.
-  auto finish_segment = [&](int seg_grp, int seg_kt0, int seg_kt1) {
+  auto finish_segment = [&](int seg_grp, const Place& pl, int seg_kt0, int seg_kt1) {
     const bool whole = seg_kt0 == 0 && seg_kt1 == k_tiles;
     const int g_begin = seg_grp * group_units;
     // workspace slot of CTA c's segment of this group: its first or its last
@@ -386,8 +511,11 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     };
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      const int rt = (seg_grp * warps + warp) * RPW + r;
+      const int rt = ((GROUPED ? pl.gl : seg_grp) * warps + warp) * RPW + r;
       if (rt >= row_tiles) continue;  // warp-uniform
+      // grouped: one counter set per problem (recomputed where used: a pointer
+      // kept live across the reduction costs the non-grouped kernels registers)
+      auto counter = [&]() { return GROUPED ? counters + pl.p * row_tiles + rt : counters + rt; };
       if (!whole) {
         float* mine = slot_part(cta, r);
 #pragma unroll
@@ -398,7 +526,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
         // The counter adds up the K tiles done; the segment that completes
         // them adds the partials (a division only on this path).
         int done = 0;
-        if (lane == 0) done = atomicAdd(counters + rt, seg_kt1 - seg_kt0) + seg_kt1 - seg_kt0;
+        if (lane == 0) done = atomicAdd(counter(), seg_kt1 - seg_kt0) + seg_kt1 - seg_kt0;
         done = __shfl_sync(kFullMask, done, 0);
         if (done != k_tiles) continue;  // another segment finishes this tile
         __threadfence();
@@ -422,7 +550,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
             acc[r][mt][3] += v.w;
           }
         }
-        if (lane == 0) counters[rt] = 0;  // ready for the next call
+        if (lane == 0) *counter() = 0;  // ready for the next call
       }
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
@@ -430,7 +558,12 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
         for (int i = 0; i < 4; ++i) {
           const int n = rt * 16 + g + 8 * (i >> 1);
           const int m = mt * 8 + 2 * t + (i & 1);
-          if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[r][mt][i]);
+          if (GROUPED) {
+            if (n < N && m < pl.rows)
+              Mma<T>::store(C + (long long)c_row(pl.row0 + m) * N + n, acc[r][mt][i]);
+          } else {
+            if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[r][mt][i]);
+          }
         }
       }
     }
@@ -462,7 +595,13 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     asm volatile("cp.async.wait_group 0;\n" ::);
     if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
     __syncthreads();
-    if (has_next) load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1);
+    if (has_next) {
+      if constexpr (GROUPED) {
+        load_x(next_kt, buf ^ 1, in_seg ? cur.row0 : nxt.row0, in_seg ? cur.rows : nxt.rows);
+      } else {
+        load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, 0, M);
+      }
+    }
     // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
     unsigned sw_lo[RPW][2 * ScaleWord<TScale>::kBytes / 4], sw_hi[RPW][2 * ScaleWord<TScale>::kBytes / 4];
 #pragma unroll
@@ -591,10 +730,12 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     seg_n = min(k_tiles, kt + (u_end - u)) - kt;
     const int after = (grp + 1) * group_units;
     seg_more = after < u_end;
+    if (GROUPED && seg_more) nxt = locate(grp + 1);
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      base[r] = row_tile(grp, r) * k_tiles;
-      next_base[r] = row_tile(grp + 1, r) * k_tiles;
+      base[r] = GROUPED ? cur.tile0 + row_tile(cur.gl, r) * k_tiles : row_tile(grp, r) * k_tiles;
+      next_base[r] = GROUPED ? nxt.tile0 + row_tile(nxt.gl, r) * k_tiles
+                             : row_tile(grp + 1, r) * k_tiles;
     }
     zero_acc();
     if constexpr (!kCopy) {
@@ -616,7 +757,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
       wgmma_wait<0>();  // the segment's multiplies are in acc
       fence_acc<M_TILES>(acc[0]);
     }
-    finish_segment(grp, seg_kt0, seg_kt0 + seg_n);
+    finish_segment(grp, cur, seg_kt0, seg_kt0 + seg_n);
     if constexpr (WG) {
       seg_buf0 = (seg_buf0 + seg_n) % kStages;
     } else {
@@ -625,6 +766,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     u = after;
     ++grp;
     kt = 0;
+    cur = GROUPED ? nxt : locate(grp);  // not grouped: {grp, 0, 0, 0, M}
   }
 }
 

@@ -1,0 +1,62 @@
+"""The mixture-of-experts kernels over a spread of cases, for compute-sanitizer.
+
+usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_moe.py
+       compute-sanitizer --tool racecheck python benchmarks/sanitize_moe.py --quick
+Runs kernels_src/moe_route.cu and the grouped launch of gemm_mma.cu (with
+and without row indirection) on: every k, both scale formats and activation
+dtypes, E = 1 .. 512, T = 1 .. 300, top_k 1 .. 10, experts without rows, one
+expert with every row, N not a multiple of 16, unchecked offsets outside
+[0, T] and unchecked ids outside [0, E) (validate=False: nothing may be
+touched outside the arrays). Results are checked loosely (the GPU tests check
+them exactly); the point is that the sanitizer sees every path.
+"""
+
+import argparse
+
+import cupy as cp
+import numpy as np
+
+import kbit_cupy as kc
+from kbit_cupy._arrays import BFLOAT16
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--quick", action="store_true", help="fewer cases (racecheck is slow)")
+args = parser.parse_args()
+
+rng = np.random.default_rng(0)
+# (E, N, K_dim, T, top_k)
+cases = [(1, 16, 32, 1, 1), (8, 100, 96, 33, 2), (64, 128, 256, 65, 8), (512, 32, 64, 40, 10),
+         (4, 96, 512, 300, 2), (128, 48, 2048, 8, 8)]
+if args.quick:
+    cases = [cases[1], cases[2], cases[4]]
+count = 0
+for k in (2, 3, 4, 5):
+    for fmt in ("e4m4", "fp16"):
+        for dtype in (np.float16, BFLOAT16):
+            for E, N, K_dim, T, top_k in cases:
+                W = rng.standard_normal((E, N, K_dim)).astype(np.float32) * 0.05
+                ex = kc.quantize_experts(cp.asarray(W), k, absmax_format=fmt)
+                x = cp.asarray(rng.standard_normal((T, K_dim)).astype(np.float32)).astype(dtype)
+                ids = cp.asarray(rng.integers(0, E, (T, top_k)))
+                y = kc.moe_linear(x, ids, ex)
+                assert bool(cp.isfinite(y.astype(cp.float32)).all())
+                ids[0, 0], ids[-1, -1] = -3, E + 5  # unchecked bad ids: rows left unwritten
+                kc.moe_linear(x, ids, ex, validate=False)
+                sizes = rng.multinomial(T, np.ones(E) / E)
+                sizes[0] += sizes[-1]  # the last expert has no rows
+                sizes[-1] = 0
+                offsets = cp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+                C = kc.kbit_grouped_gemm(x, ex, offsets)
+                assert bool(cp.isfinite(C.astype(cp.float32)).all())
+                bad = offsets.copy()
+                bad[0], bad[-1] = -7, T + 100  # unchecked offsets outside [0, T]
+                kc.kbit_grouped_gemm(x, ex, bad, validate=False)
+                count += 4
+            one = cp.asarray(np.array([0, 0, 300, 300], np.int32))  # one expert takes every row
+            ex = kc.quantize_experts(cp.asarray(rng.standard_normal((3, 64, 128)).astype(np.float32)),
+                                     k, absmax_format=fmt)
+            x = cp.asarray(rng.standard_normal((300, 128)).astype(np.float32)).astype(dtype)
+            kc.kbit_grouped_gemm(x, ex, one)
+            count += 1
+cp.cuda.Device().synchronize()
+print(f"ran {count} cases")

@@ -1,0 +1,420 @@
+"""Mixture-of-experts: many quantized experts of one shape, multiplied in one launch.
+
+``quantize_experts`` turns ``E`` weights of shape ``[N, K_dim]`` into one
+``KbitExperts`` object (contiguous, one codebook); ``kbit_grouped_gemm``
+multiplies rows of ``A`` that are already grouped by expert, all experts in
+one kernel launch (``kernels_src/gemm_mma.cu``, the grouped launch: the work
+of the experts that have rows is spread evenly over every SM, experts
+without rows cost nothing, the problem count stays on the GPU);
+``moe_linear`` takes a router's top-k choices, groups the tokens on the GPU
+and returns results in token order. NumPy inputs run the NumPy path
+(dequantize, float32 matmul per expert).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _jit
+from ._arrays import array_module, as_module_array, is_device_array, same_module, to_host
+from .format import BLOCK, check_codebook, check_k
+from .gemm import (
+    _NULL,
+    ACT_DTYPES,
+    K_PER_TILE,
+    KbitWeight,
+    _check_shape,
+    _counters,
+    _KbitArrays,
+    _tile_counts,
+    repack_for_gemm,
+)
+from .quantize import _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
+
+_WARPS = 4  # per CTA of the grouped launch (mma.sync, one row tile per warp)
+# moe_route.cu's per-(warp, expert) slots: 44 KB, under the 48 KB a launch gets
+# without opting in (the kernel's static shared memory comes on top)
+_ROUTE_SHARED_INTS = 11 * 1024
+_resident_cache: dict[tuple[int, int], int] = {}
+
+
+@dataclass
+class KbitExperts(_KbitArrays):
+    """``E`` k-bit quantized expert weights of one shape ``[N, K_dim]``.
+
+    ``packed`` (uint32, ``E * N * K_dim / 32 * k``) and ``absmax`` (uint8 E4M4
+    codes or float16, ``E * N * K_dim / 32``) are the FORMAT.md encoding of
+    the ``[E, N, K_dim]`` tensor, so expert ``e``'s blocks follow expert
+    ``e - 1``'s; ``codebook`` (float32, ``2**k``) is shared. All three live
+    in one module (NumPy or CuPy). The kernels' tiled copy is built on first
+    use (or by ``prepare()``).
+    """
+
+    packed: object
+    absmax: object
+    codebook: object
+    k: int
+    shape: tuple[int, int, int]  # (E, N, K_dim)
+    _tiles: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.k = check_k(self.k)
+        E, N, K_dim = (int(d) for d in self.shape)
+        if E < 1:
+            raise ValueError(f"need at least one expert, got E={E}")
+        _check_shape(self.k, N, K_dim)
+        self.shape = (E, N, K_dim)
+        xp, self.packed = as_module_array(self.packed, "packed")
+        same_module(xp, {"absmax": self.absmax})
+        nblocks = E * N * K_dim // BLOCK
+        if self.packed.dtype != np.uint32 or self.packed.shape != (nblocks * self.k,):
+            raise ValueError(f"packed must be uint32 of shape ({nblocks * self.k},) for {E} experts "
+                             f"of [{N}, {K_dim}] at k={self.k}, got {self.packed.dtype} "
+                             f"{self.packed.shape}")
+        if self.absmax.dtype not in (np.uint8, np.float16) or self.absmax.shape != (nblocks,):
+            raise ValueError(f"absmax must be uint8 (E4M4) or float16 of shape ({nblocks},), "
+                             f"got {self.absmax.dtype} {self.absmax.shape}")
+        self.codebook = xp.asarray(check_codebook(to_host(self.codebook), self.k))
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes one expert's indices and scales take (what a launch reads per expert)."""
+        return int(self.packed.nbytes + self.absmax.nbytes) // self.num_experts
+
+    def expert(self, e: int) -> KbitWeight:
+        """Expert ``e`` as a ``KbitWeight`` (views of this object's arrays)."""
+        E, N, K_dim = self.shape
+        if not 0 <= int(e) < E:
+            raise IndexError(f"expert {e} out of range for {E} experts")
+        blocks = N * K_dim // BLOCK
+        b0 = int(e) * blocks
+        return KbitWeight(self.packed[b0 * self.k:(b0 + blocks) * self.k],
+                          self.absmax[b0:b0 + blocks], self.codebook, self.k, (N, K_dim))
+
+    def dequantize(self, dtype=np.float16):
+        """All experts as one ``[E, N, K_dim]`` array of ``dtype`` (FORMAT.md section 6)."""
+        return dequantize_kbit(self.packed, self.absmax, self.codebook, self.k, self.shape,
+                               dtype=dtype)
+
+    def prepare(self) -> KbitExperts:
+        """Build the kernels' tiled layout now: expert-major, each expert as
+        ``repack_for_gemm`` lays out one weight."""
+        if self._tiles is None:
+            E, N, K_dim = self.shape
+            xp = array_module(self.packed)
+            if N % 16 == 0:  # row tiles never straddle experts: one repack of [E * N, K_dim]
+                self._tiles = repack_for_gemm(self.packed, self.absmax, self.k, E * N, K_dim)
+            else:
+                parts = [repack_for_gemm(w.packed, w.absmax, self.k, N, K_dim)
+                         for w in (self.expert(e) for e in range(E))]
+                self._tiles = (xp.concatenate([t for t, _ in parts]),
+                               xp.concatenate([s for _, s in parts]))
+        return self
+
+    def to_device(self) -> KbitExperts:
+        """A copy on the current CUDA device (CuPy arrays)."""
+        import cupy as cp
+
+        return KbitExperts(cp.asarray(self.packed), cp.asarray(self.absmax),
+                           cp.asarray(self.codebook), self.k, self.shape)
+
+
+def quantize_experts(W, k: int = 4, codebook=None, absmax_format: str = "e4m4") -> KbitExperts:
+    """Quantize ``E`` expert weights of one shape into one ``KbitExperts``.
+
+    W : ``[E, N, K_dim]`` array, or a sequence of ``E`` arrays ``[N, K_dim]``
+        (same shape, dtype and module; stacked into one contiguous tensor),
+        float16 / bfloat16 / float32, NumPy or CuPy, ``K_dim % 32 == 0``.
+    k, codebook, absmax_format : as in ``quantize_kbit``; one codebook for
+        all experts (``fit_codebook(W, k)`` fits one to them).
+
+    Returns a ``KbitExperts`` in ``W``'s module. Raises ValueError for bad
+    shapes (not 3-D, ``K_dim % 32``, no experts, mismatched list entries) and
+    what ``quantize_kbit`` raises.
+    """
+    if isinstance(W, (list, tuple)):
+        if not W:
+            raise ValueError("need at least one expert weight")
+        parts = [as_module_array(w, f"W[{i}]") for i, w in enumerate(W)]
+        xp = parts[0][0]
+        shapes = {p.shape for _, p in parts}
+        if len(shapes) != 1 or len({p.dtype for _, p in parts}) != 1:
+            raise ValueError(f"expert weights must share one shape and dtype, got shapes "
+                             f"{sorted(shapes)} and dtypes {sorted({str(p.dtype) for _, p in parts})}")
+        same_module(xp, {f"W[{i}]": p for i, (_, p) in enumerate(parts)})
+        W = xp.stack([p for _, p in parts])
+    else:
+        _, W = as_module_array(W, "W")
+    if W.ndim != 3:
+        raise ValueError(f"W must be [E, N, K_dim] (or a list of [N, K_dim]), got shape {W.shape}")
+    E, N, K_dim = (int(d) for d in W.shape)
+    if E < 1:
+        raise ValueError("need at least one expert weight (E >= 1)")
+    _check_shape(check_k(k), N, K_dim)
+    packed, absmax, cb = quantize_kbit(W, k=k, codebook=codebook, absmax_format=absmax_format)
+    return KbitExperts(packed, absmax, cb, int(k), (E, N, K_dim))
+
+
+# --------------------------------------------------------------------------
+# the grouped product
+
+
+def _check_inputs(A, experts: KbitExperts):
+    """(xp, A) after the dtype, shape and place checks shared by both entry points."""
+    if not isinstance(experts, KbitExperts):
+        raise TypeError(f"experts must be a KbitExperts (from quantize_experts), got "
+                        f"{type(experts).__name__}")
+    xp, A = as_module_array(A, "A")
+    if A.dtype == np.float32 or A.dtype == np.float64:
+        raise TypeError(f"A must be float16 or bfloat16, got {A.dtype}; cast it first "
+                        "(A.astype(numpy.float16))")
+    if A.dtype not in ACT_DTYPES:
+        raise TypeError(f"A must be float16 or ml_dtypes.bfloat16, got {A.dtype}")
+    K_dim = experts.shape[2]
+    if A.ndim != 2 or A.shape[1] != K_dim:
+        raise ValueError(f"A must be [T, K_dim={K_dim}], got shape {A.shape}")
+    if is_device_array(experts.packed) != (xp is not np):
+        where = "GPU" if is_device_array(experts.packed) else "host"
+        raise TypeError(f"A and experts must live in the same place; the experts are on the "
+                        f"{where} (use experts.to_device() or pass a NumPy A)")
+    if xp is not np and A.device.id != experts.packed.device.id:
+        raise ValueError(f"A is on GPU {A.device.id} but the experts on GPU "
+                         f"{experts.packed.device.id}; call experts.to_device() under the right "
+                         "cupy.cuda.Device")
+    return xp, A
+
+
+def _output(xp, out, shape: tuple, dtype):
+    """``out`` checked, or a new array."""
+    if out is None:
+        return xp.empty(shape, dtype=dtype)
+    if array_module(out) is not xp:
+        raise TypeError("out must be in the same module as A")
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"out must have shape {shape} and dtype {dtype}, got {out.shape} {out.dtype}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    return out
+
+
+
+def _check_offsets(xp, offsets, E: int, T: int, validate: bool):
+    if array_module(offsets) is not xp:
+        raise TypeError("group_offsets must be in the same module as A (NumPy or CuPy)")
+    offsets = xp.asarray(offsets)
+    if offsets.dtype.kind not in "iu":
+        raise TypeError(f"group_offsets must be an integer array (int32), got {offsets.dtype}")
+    if offsets.shape != (E + 1,):
+        raise ValueError(f"group_offsets must have E + 1 = {E + 1} entries, got shape "
+                         f"{offsets.shape}")
+    if validate:  # one small device-to-host copy on the GPU path
+        host = to_host(offsets).astype(np.int64)
+        if host[0] != 0 or host[-1] != T or np.any(np.diff(host) < 0):
+            raise ValueError(
+                f"group_offsets must rise from 0 to T={T} (expert e owns rows offsets[e] .. "
+                f"offsets[e+1] - 1 of A), got {host.tolist() if E < 16 else host}"
+            )
+    return xp.ascontiguousarray(offsets.astype(xp.int32, copy=False))
+
+
+def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate: bool = True):
+    """All experts' products in one launch: ``C[r] = A[r] @ dequant(W_e).T`` for the rows r of expert e.
+
+    A : ``[T, K_dim]`` float16 or ``ml_dtypes.bfloat16``, NumPy or CuPy, rows
+        grouped by expert: expert ``e`` owns rows ``group_offsets[e]`` ..
+        ``group_offsets[e + 1] - 1``.
+    experts : a ``KbitExperts`` of shape ``(E, N, K_dim)`` in A's place.
+    group_offsets : integer array of ``E + 1`` offsets (int32 preferred), in
+        A's module, rising from 0 to T. Experts without rows cost nothing.
+    out : optional C-contiguous ``[T, N]`` array of A's dtype and module.
+    validate : check ``group_offsets`` (on the GPU: one small device-to-host
+        copy, a synchronisation). With ``validate=False`` nothing is checked;
+        offsets are clamped to ``[0, T]`` on the device, so nothing outside A
+        or C is touched, but rows no expert owns are left unwritten.
+
+    Returns ``C`` ``[T, N]`` in A's dtype, accumulated in float32; the same
+    inputs on the same GPU give the same bits on every call.
+
+    Raises TypeError (dtypes, places, offsets not integers) and ValueError
+    (shapes, offsets not rising from 0 to T, ``out``).
+    """
+    xp, A = _check_inputs(A, experts)
+    E, N, _ = experts.shape
+    T = A.shape[0]
+    offsets = _check_offsets(xp, group_offsets, E, T, validate)
+    C = _output(xp, out, (T, N), A.dtype)
+    if T == 0:
+        return C
+    if xp is np:
+        w = experts.dequantize(np.float32)
+        for e in range(E):
+            r0, r1 = (min(max(int(o), 0), T) for o in offsets[e:e + 2])
+            if r1 > r0:
+                C[r0:r1] = (A[r0:r1].astype(np.float32) @ w[e].T).astype(A.dtype)
+        return C
+    A = xp.ascontiguousarray(A)
+    if A.data.ptr % 16:
+        A = A.copy()
+    _launch_grouped(A, experts, offsets, C)
+    return C
+
+
+def grouped_m_tiles(rows: int, experts: int) -> int:
+    """n8 tiles per problem, from the rows an expert gets if ``rows`` spread evenly.
+
+    Routed rows are uneven (binomial around the mean), and an expert with
+    more rows than a problem holds is split into problems that each read its
+    weights again, so a problem holds 1.5x the mean plus two rows, up to 32
+    rows: 64-row problems (8 n8 tiles, 168-178 registers) measured slower on
+    the H100 than splitting the larger experts (128 experts of [1536, 2048],
+    4096 rows: 293 us against 243 us).
+    """
+    per_expert = rows / max(1, min(experts, rows))
+    want = math.ceil(1.5 * per_expert + 2)
+    return next((t for t in _jit.GEMM_GROUPED_M_TILES if 8 * t >= want), _jit.GEMM_GROUPED_M_TILES[-1])
+
+
+def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_row: int = 1) -> None:
+    """One grouped launch. ``C`` is ``[R, N]``; without ``row_ids`` A has the same
+    R rows, with it sorted row g is row ``row_ids[g]`` of C and
+    ``row_ids[g] // ids_per_row`` of A (moe_linear)."""
+    import cupy as cp
+
+    E, N, K_dim = experts.shape
+    T = C.shape[0]
+    tiles, scales = experts.prepare()._tiles
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    m_tiles = grouped_m_tiles(T, E)
+    rows_per_problem = 8 * m_tiles
+    # gemm_mma.cu, "Grouped launch": the problem count is found on the device;
+    # this bounds it (each expert with rows: one problem, plus one per full
+    # rows_per_problem) for the counters and the 32-bit unit index.
+    max_problems = min(E, T) + T // rows_per_problem
+    groups = math.ceil(rt_n / _WARPS)
+    if max_problems * groups * kt_n >= 2**31 or E * rt_n * kt_n >= 2**31:
+        raise ValueError(f"too much work for one grouped launch ({E} experts of [{N}, {K_dim}], "
+                         f"{T} rows); split the rows into several calls")
+    kern = _jit.get_kernel("gemm_mma", experts.k, A.dtype.name, experts.absmax.dtype.name,
+                           m_tiles, 1, 0, True)
+    stage = m_tiles * 8 * K_PER_TILE * A.dtype.itemsize
+    shared = 2 * stage + 2 * (E + 1) * 4  # two activation stages, then the problem tables
+    if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
+        kern.max_dynamic_shared_size_bytes = shared
+    key = (id(kern), shared)
+    if key not in _resident_cache:
+        _resident_cache[key] = _resident_ctas(kern, _WARPS * 32, kern.shared_size_bytes + shared)
+    # Every resident CTA: the kernel, knowing the unit count, uses all (stream-K) or
+    # one per group (gemm_mma.cu, "Grouped launch").
+    ctas = _sm_count() * _resident_cache[key]
+    workspace = cp.empty(2 * ctas * _WARPS * m_tiles * 32 * 4, dtype=cp.float32)
+    counters = _counters(max_problems * rt_n)
+    kern((ctas, 1), (_WARPS * 32,),
+         (tiles, scales, experts.codebook, A, C, np.int32(T), np.int32(N), np.int32(K_dim),
+          np.int32(rt_n), np.int32(kt_n), np.int32(kt_n), np.int32(_sm_count()), np.int32(0),
+          workspace, counters, offsets, np.int32(E),
+          _NULL if row_ids is None else row_ids, np.int32(ids_per_row)), shared_mem=shared)
+
+
+# --------------------------------------------------------------------------
+# routing
+
+
+def route_pairs(topk_ids, experts: int):
+    """Group a router's choices by expert on the GPU, in one launch.
+
+    topk_ids : CuPy integer array (any shape; flattened: pair i is token
+        ``i // top_k``), ids outside ``[0, experts)`` get no row.
+    Returns ``(offsets, order)``, CuPy int32: ``offsets`` ``[experts + 1]``
+    (expert e owns sorted rows ``offsets[e] .. offsets[e+1] - 1``) and
+    ``order`` ``[pairs]`` (sorted row -> pair; entries past
+    ``offsets[experts]`` are unused). Equals a stable sort of the ids
+    (``numpy.argsort(ids, kind="stable")``); deterministic.
+    """
+    import cupy as cp
+
+    warps = min(_jit.MOE_ROUTE_THREADS // 32, _ROUTE_SHARED_INTS // max(int(experts), 1))
+    if warps < 1:
+        raise ValueError(f"routing on the GPU takes at most {_ROUTE_SHARED_INTS} experts, got "
+                         f"{experts}; group the rows yourself and call kbit_grouped_gemm")
+    ids = cp.ascontiguousarray(topk_ids.reshape(-1).astype(cp.int32, copy=False))
+    offsets = cp.empty(int(experts) + 1, dtype=cp.int32)
+    order = cp.empty(ids.size, dtype=cp.int32)
+    route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
+    route((1,), (_jit.MOE_ROUTE_THREADS,),
+          (ids, np.int32(ids.size), np.int32(experts), np.int32(warps), offsets, order),
+          shared_mem=4 * warps * int(experts))
+    return offsets, order
+
+
+def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = True):
+    """Each token through its router's top-k experts: ``[T, top_k, N]``.
+
+    x : ``[T, K_dim]`` float16 or ``ml_dtypes.bfloat16`` token activations,
+        NumPy or CuPy.
+    topk_ids : ``[T, top_k]`` integer expert ids in ``[0, E)``, x's module.
+    experts : a ``KbitExperts`` ``(E, N, K_dim)`` in x's place.
+    out : optional C-contiguous ``[T, top_k, N]`` of x's dtype and module.
+    validate : check the ids (on the GPU one small device-to-host copy, a
+        synchronisation). Unchecked out-of-range ids leave their output rows
+        unwritten; nothing outside the arrays is touched.
+
+    Returns ``out[t, j] = x[t] @ dequant(W[topk_ids[t, j]]).T``. On the GPU
+    this is two launches and no host round trip: one groups the pairs by
+    expert (``kernels_src/moe_route.cu``, a stable counting sort), one
+    multiplies them (the ``kbit_grouped_gemm`` kernel, reading x's rows and
+    writing out's rows through the sorted order); deterministic. Up to 11264
+    experts on the GPU.
+
+    Raises TypeError (dtypes, places) and ValueError (shapes, ids out of
+    range).
+    """
+    xp, x = as_module_array(x, "x")
+    if array_module(topk_ids) is not xp:
+        raise TypeError("topk_ids must be in the same module as x (NumPy or CuPy)")
+    topk_ids = xp.asarray(topk_ids)
+    if topk_ids.dtype.kind not in "iu":
+        raise TypeError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    if topk_ids.ndim != 2 or x.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, K_dim] and topk_ids [T, top_k] with the same T, got "
+                         f"{x.shape} and {topk_ids.shape}")
+    T, top_k = topk_ids.shape
+    _, x = _check_inputs(x, experts)
+    E, N, _ = experts.shape
+    if validate and topk_ids.size:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"topk_ids must be in [0, {E}) (E = {E} experts), got ids from "
+                             f"{lo} to {hi}")
+    C = _output(xp, out, (T, top_k, N), x.dtype)
+    if C.size == 0:
+        return C
+    if xp is np:
+        flat = topk_ids.reshape(-1).astype(np.int64)
+        flat = np.where((flat < 0) | (flat >= E), E, flat)  # unchecked bad ids: no expert's rows
+        order = np.argsort(flat, kind="stable")
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1)[:E])])
+        rows = kbit_grouped_gemm(x[order // top_k], experts, offsets.astype(np.int32),
+                                 validate=False)
+        valid = order[: offsets[E]]
+        C.reshape(T * top_k, N)[valid] = rows[: offsets[E]]
+        return C
+    # GPU: one launch groups the pairs (kernels_src/moe_route.cu), one multiplies
+    # them, reading x's rows and writing C's through the sorted order.
+    import cupy as cp
+
+    offsets, order = route_pairs(topk_ids, E)
+    x = cp.ascontiguousarray(x)
+    if x.data.ptr % 16:
+        x = x.copy()
+    _launch_grouped(x, experts.prepare(), offsets, C.reshape(T * top_k, N), order, top_k)
+    return C
+
+
+__all__ = ["KbitExperts", "kbit_grouped_gemm", "moe_linear", "quantize_experts"]

@@ -1,0 +1,82 @@
+// moe_route.cu: group a router's choices by expert, on the GPU, in one launch.
+//
+// Input: R = T * top_k expert ids (pair i = token i / top_k, choice i % top_k).
+// Output: offsets[E + 1] (expert e owns sorted rows offsets[e] ..
+// offsets[e + 1] - 1) and order[R'] (sorted row -> pair index), R' the valid
+// ids. The order is stable: within an expert, pairs keep their index order,
+// so the result depends on the ids alone (deterministic, unlike slots taken
+// with atomics), and the grouped matmul reads rows through it
+// (gemm_mma.cu, GROUPED with row_ids) with no gather or scatter launches.
+// Ids outside [0, E) get no row.
+//
+// One CTA (the routing metadata is small): warp w owns a contiguous slice of
+// the pairs. 1) Each warp counts its slice per expert (shared-memory integer
+// atomics: the counts do not depend on their order). 2) Per expert, the
+// warps' counts become each warp's first slot (warps in order), and a
+// block-wide scan over experts gives the offsets. 3) Each warp walks its
+// slice 32 pairs at a time in order; lanes with the same expert (match_any)
+// take consecutive slots by lane order.
+#include "common.cuh"
+
+namespace kbit {
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict__ ids, int pairs,
+                                                          int experts, int warps_used,
+                                                          int* __restrict__ offsets,
+                                                          int* __restrict__ order) {
+  extern __shared__ int slot[];  // [warps_used][experts]: counts, then next free slot
+  __shared__ int warp_sums[THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int per_warp = (pairs + warps_used - 1) / warps_used;
+  const int begin = min(pairs, warp * per_warp), end = min(pairs, begin + per_warp);
+  auto valid = [&](int e) { return e >= 0 && e < experts; };
+
+  for (int i = threadIdx.x; i < warps_used * experts; i += THREADS) slot[i] = 0;
+  __syncthreads();
+  if (warp < warps_used) {  // 1) counts per (warp, expert)
+    for (int i = begin + lane; i < end; i += 32) {
+      const int e = __ldg(ids + i);
+      if (valid(e)) atomicAdd(slot + warp * experts + e, 1);
+    }
+  }
+  __syncthreads();
+
+  // 2) thread t owns experts [t * per, (t + 1) * per): a block-wide scan of
+  // the experts' totals gives the offsets, and per expert the warps' counts
+  // become each warp's first row (warps in order).
+  const int per = (experts + THREADS - 1) / THREADS;
+  const int e0 = min(experts, (int)threadIdx.x * per), e1 = min(experts, e0 + per);
+  int mine = 0;
+  for (int e = e0; e < e1; ++e)
+    for (int w = 0; w < warps_used; ++w) mine += slot[w * experts + e];
+  int row = cta_exclusive_scan(mine, warp_sums);
+  for (int e = e0; e < e1; ++e) {
+    offsets[e] = row;
+    for (int w = 0; w < warps_used; ++w) {
+      const int count = slot[w * experts + e];
+      slot[w * experts + e] = row;
+      row += count;
+    }
+  }
+  if (threadIdx.x == THREADS - 1) offsets[experts] = row;  // every valid pair
+  __syncthreads();
+
+  // 3) rows in pair order: lanes with one expert take consecutive rows.
+  if (warp < warps_used) {
+    for (int i0 = begin; i0 < end; i0 += 32) {
+      const int i = i0 + lane;
+      const int e = i < end ? __ldg(ids + i) : -1;
+      const bool ok = valid(e);
+      const unsigned peers = __match_any_sync(kFullMask, ok ? e : -1);
+      const int rank = __popc(peers & ((1u << lane) - 1u));
+      int* next = slot + warp * experts + (ok ? e : 0);
+      if (ok) order[*next + rank] = i;
+      __syncwarp();
+      if (ok && rank == 0) *next += __popc(peers);  // the group's first lane moves it on
+      __syncwarp();
+    }
+  }
+}
+
+}  // namespace kbit

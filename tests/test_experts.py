@@ -1,0 +1,285 @@
+"""Mixture-of-experts: quantize_experts, kbit_grouped_gemm, moe_linear.
+
+CPU tests pin the API, the NumPy path and the layout; GPU tests (marked, run
+on the device) check the grouped kernel against per-expert kbit_gemm and a
+float64 reference (FORMAT.md section 7 bounds), every output element written,
+determinism, and the routing corner cases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kbit_cupy import (
+    KbitExperts,
+    kbit_gemm,
+    kbit_grouped_gemm,
+    moe_linear,
+    quantize_experts,
+    quantize_weight,
+    repack_for_gemm,
+)
+from kbit_cupy._arrays import BFLOAT16, gpu_available, to_host
+from kbit_cupy.experts import grouped_m_tiles, route_pairs
+
+BOUNDS = {np.dtype(np.float16): 2e-3, BFLOAT16: 1e-2}
+
+
+def weights(E, N, K_dim, seed=0):
+    return np.random.default_rng(seed).standard_normal((E, N, K_dim)).astype(np.float32)
+
+
+def reference(x, ids, experts) -> np.ndarray:
+    """float64 ``[T, top_k, N]``: every token through each chosen expert."""
+    w = to_host(experts.dequantize(np.float32)).astype(np.float64)
+    x64 = to_host(x).astype(np.float64)
+    return np.einsum("tk,tjnk->tjn", x64, w[to_host(ids)])
+
+
+def rel_error(got, want) -> float:
+    got = np.asarray(got).astype(np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+# --------------------------------------------------------------------------
+# CPU: objects, layout, NumPy path, errors
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_experts_are_the_format_encoding_of_the_stacked_tensor(k):
+    W = weights(3, 24, 64, seed=k)
+    ex = quantize_experts(W, k)
+    assert ex.shape == (3, 24, 64) and ex.num_experts == 3
+    for e in range(3):
+        one = quantize_weight(W[e], k)
+        assert np.array_equal(ex.expert(e).packed, one.packed)
+        assert np.array_equal(ex.expert(e).absmax, one.absmax)
+    listed = quantize_experts(list(W), k)
+    assert np.array_equal(listed.packed, ex.packed) and np.array_equal(listed.absmax, ex.absmax)
+    assert ex.nbytes == ex.packed.nbytes + ex.absmax.nbytes + ex.codebook.nbytes
+    assert ex.bits_per_element == pytest.approx(k + 8 / 32)
+
+
+@pytest.mark.parametrize("N", [16, 20])
+def test_tiles_are_each_experts_repack_one_after_another(N):
+    W = weights(3, N, 96)
+    ex = quantize_experts(W, 3, absmax_format="fp16").prepare()
+    tiles, scales = ex._tiles
+    parts = [repack_for_gemm(ex.expert(e).packed, ex.expert(e).absmax, 3, N, 96) for e in range(3)]
+    assert np.array_equal(tiles, np.concatenate([t for t, _ in parts]))
+    assert np.array_equal(scales, np.concatenate([s for _, s in parts]))
+
+
+def test_numpy_grouped_gemm_is_each_experts_kbit_gemm():
+    W = weights(4, 40, 64)
+    ex = quantize_experts(W, 4)
+    A = np.random.default_rng(1).standard_normal((9, 64)).astype(np.float16)
+    offsets = np.array([0, 3, 3, 8, 9], dtype=np.int32)  # expert 1 has no rows
+    C = kbit_grouped_gemm(A, ex, offsets)
+    for e in range(4):
+        r0, r1 = offsets[e], offsets[e + 1]
+        assert np.array_equal(C[r0:r1], kbit_gemm(A[r0:r1], ex.expert(e)))
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_numpy_moe_linear_matches_the_reference(top_k):
+    ex = quantize_experts(weights(6, 32, 64), 4)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 64)).astype(np.float16)
+    ids = rng.integers(0, 6, (5, top_k))
+    y = moe_linear(x, ids, ex)
+    assert y.shape == (5, top_k, 32) and y.dtype == np.float16
+    assert rel_error(y, reference(x, ids, ex)) < 2e-3
+
+
+def test_numpy_moe_linear_out_and_empty_inputs():
+    ex = quantize_experts(weights(2, 16, 32), 2)
+    x = np.ones((3, 32), np.float16)
+    out = np.full((3, 1, 16), np.nan, np.float16)
+    assert moe_linear(x, np.zeros((3, 1), np.int32), ex, out=out) is out
+    assert not np.isnan(out).any()
+    assert moe_linear(x[:0], np.zeros((0, 2), np.int32), ex).shape == (0, 2, 16)
+    assert moe_linear(x, np.zeros((3, 0), np.int32), ex).shape == (3, 0, 16)
+
+
+def test_grouped_m_tiles_follows_rows_per_expert():
+    assert grouped_m_tiles(1, 128) == 1
+    assert grouped_m_tiles(256, 128) == 1  # 2 rows per expert
+    assert grouped_m_tiles(1024, 128) == 2  # 8
+    assert grouped_m_tiles(4096, 128) == 4  # 32: capped at 32 rows per problem
+    assert grouped_m_tiles(10**6, 4) == 4
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda ex, x: quantize_experts(np.ones((2, 8, 33), np.float32), 4), ValueError, "K_dim"),
+        (lambda ex, x: quantize_experts(np.ones((8, 32), np.float32), 4), ValueError, "E, N, K_dim"),
+        (lambda ex, x: quantize_experts([np.ones((8, 32)), np.ones((9, 32))], 4), ValueError, "one shape"),
+        (lambda ex, x: quantize_experts([], 4), ValueError, "at least one"),
+        (lambda ex, x: kbit_grouped_gemm(x.astype(np.float32), ex, [0, 1, 3]), TypeError, "cast"),
+        (lambda ex, x: kbit_grouped_gemm(x, ex.expert(0), np.array([0, 1, 3])), TypeError, "KbitExperts"),
+        (lambda ex, x: kbit_grouped_gemm(x[:, :16], ex, np.array([0, 1, 3])), ValueError, "K_dim"),
+        (lambda ex, x: kbit_grouped_gemm(x, ex, np.array([0, 3])), ValueError, "E \\+ 1"),
+        (lambda ex, x: kbit_grouped_gemm(x, ex, np.array([0, 2, 2])), ValueError, "rise from 0"),
+        (lambda ex, x: kbit_grouped_gemm(x, ex, np.array([1, 0, 3])), ValueError, "rise from 0"),
+        (lambda ex, x: kbit_grouped_gemm(x, ex, np.array([0.0, 1, 3])), TypeError, "integer"),
+        (lambda ex, x: kbit_grouped_gemm(x, ex, np.array([0, 1, 3]), out=np.empty((3, 8), np.float16)),
+         ValueError, "out must have shape"),
+        (lambda ex, x: moe_linear(x, np.array([[0], [2], [1]]), ex), ValueError, "\\[0, 2\\)"),
+        (lambda ex, x: moe_linear(x, np.array([[0.0], [1], [1]]), ex), TypeError, "integers"),
+        (lambda ex, x: moe_linear(x, np.array([[0], [1]]), ex), ValueError, "same T"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_error(call, exc, match):
+    ex = quantize_experts(weights(2, 16, 32), 4)
+    x = np.ones((3, 32), np.float16)
+    with pytest.raises(exc, match=match):
+        call(ex, x)
+
+
+# --------------------------------------------------------------------------
+# GPU: the grouped kernel
+
+def gpu_test(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")(fn))
+
+
+def _device_case(E, N, K_dim, T, top_k, k, dtype, seed=0, ids=None, codebook=None):
+    import cupy as cp
+
+    rng = np.random.default_rng(seed)
+    W = (rng.standard_normal((E, N, K_dim)) * 0.05).astype(np.float32)
+    ex = quantize_experts(cp.asarray(W), k, codebook=codebook)
+    x = rng.standard_normal((T, K_dim)).astype(dtype)
+    if ids is None:
+        ids = np.stack([rng.choice(E, size=top_k, replace=top_k > E) for _ in range(T)])
+    return ex, x, np.asarray(ids)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "E, N, K_dim, T, top_k",
+    [
+        (8, 48, 64, 1, 2),        # T = 1
+        (16, 100, 96, 33, 4),     # N not a multiple of 16
+        (1, 64, 32, 17, 1),       # E = 1, K_dim = 32
+        (64, 128, 256, 65, 8),    # many experts, a few rows each
+        (4, 96, 512, 300, 2),     # many rows per expert: 8 n8 tiles per problem
+    ],
+)
+def test_gpu_moe_linear_within_format_bounds_and_every_element_written(E, N, K_dim, T, top_k, k, dtype):
+    import cupy as cp
+
+    ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k)
+    out = cp.full((T, top_k, N), np.nan, dtype=dtype)
+    y = moe_linear(cp.asarray(x), cp.asarray(ids), ex, out=out)
+    got = cp.asnumpy(y)
+    assert not np.isnan(got.astype(np.float32)).any()
+    assert rel_error(got, reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)]
+    again = moe_linear(cp.asarray(x), cp.asarray(ids), ex)
+    assert np.array_equal(cp.asnumpy(again).view(np.uint16), got.view(np.uint16))  # same bits
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+def test_gpu_grouped_gemm_matches_per_expert_kbit_gemm(dtype):
+    """Each expert's rows agree with that expert's own kbit_gemm within the bound."""
+    import cupy as cp
+
+    E, N, K_dim = 12, 200, 320
+    ex, x, _ = _device_case(E, N, K_dim, 90, 1, 4, dtype)
+    sizes = np.array([0, 9, 0, 0, 30, 1, 2, 0, 17, 8, 23, 0])  # zeros: experts without rows
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    A = cp.asarray(x)
+    C = cp.asnumpy(kbit_grouped_gemm(A, ex, cp.asarray(offsets)))
+    for e in range(E):
+        r0, r1 = offsets[e], offsets[e + 1]
+        if r1 > r0:
+            own = cp.asnumpy(kbit_gemm(A[r0:r1], ex.expert(e)))
+            want = x[r0:r1].astype(np.float64) @ ex.expert(e).dequantize(np.float32).get().astype(np.float64).T
+            assert rel_error(C[r0:r1], want) <= BOUNDS[np.dtype(dtype)]
+            assert rel_error(own, want) <= BOUNDS[np.dtype(dtype)]
+
+
+@gpu_test
+@pytest.mark.parametrize("case", ["one_expert_takes_all", "top_k_10", "E_512", "T_1_top_1"])
+def test_gpu_routing_corner_cases(case):
+    import cupy as cp
+
+    if case == "one_expert_takes_all":
+        ex, x, ids = _device_case(32, 64, 128, 70, 1, 4, np.float16, ids=np.full((70, 1), 5))
+    elif case == "top_k_10":
+        ex, x, ids = _device_case(40, 64, 128, 9, 10, 3, np.float16)
+    elif case == "E_512":
+        ex, x, ids = _device_case(512, 32, 64, 40, 10, 4, np.float16)
+    else:
+        ex, x, ids = _device_case(8, 64, 64, 1, 1, 5, BFLOAT16)
+    y = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
+    assert rel_error(y, reference(x, ids, ex)) <= BOUNDS[np.dtype(x.dtype)]
+
+
+@gpu_test
+def test_gpu_unvalidated_bad_offsets_stay_inside_the_arrays():
+    """validate=False: offsets outside [0, T] are clamped on the device, a falling pair
+    gives no rows, nothing outside A or C is touched."""
+    import cupy as cp
+
+    ex, x, _ = _device_case(4, 32, 64, 10, 1, 4, np.float16)
+    A = cp.asarray(x)
+    bad = cp.asarray(np.array([-5, 4, 4, 30, 20], np.int32))  # clamped: 0, 4, 4, 10, 10
+    C = kbit_grouped_gemm(A, ex, bad, validate=False)
+    cp.cuda.Device().synchronize()
+    # after clamping expert 0 owns rows 0..3 and expert 2 rows 4..9: those are right
+    for e, (r0, r1) in ((0, (0, 4)), (2, (4, 10))):
+        w = ex.expert(e).dequantize(np.float32).get().astype(np.float64)
+        assert rel_error(cp.asnumpy(C[r0:r1]), x[r0:r1].astype(np.float64) @ w.T) <= 2e-3
+    with pytest.raises(ValueError, match="rise from 0"):
+        kbit_grouped_gemm(A, ex, bad)
+
+
+@gpu_test
+def test_gpu_experts_object_moves_between_host_and_device():
+    import cupy as cp
+
+    ex = quantize_experts(weights(3, 16, 64), 4)
+    dev = ex.to_device()
+    assert isinstance(dev.packed, cp.ndarray) and isinstance(dev, KbitExperts)
+    x = np.ones((2, 64), np.float16)
+    with pytest.raises(TypeError, match="same place"):
+        kbit_grouped_gemm(cp.asarray(x), ex, cp.asarray(np.array([0, 2, 2, 2], np.int32)))
+
+
+
+@gpu_test
+@pytest.mark.parametrize("T, top_k, E", [(1, 1, 1), (1, 8, 128), (37, 10, 512), (4096, 8, 128),
+                                         (300, 2, 3000)])
+def test_gpu_routing_is_a_stable_sort_of_the_ids(T, top_k, E):
+    import cupy as cp
+
+    ids = np.random.default_rng(T).integers(0, E, (T, top_k)).astype(np.int32)
+    offsets, order = route_pairs(cp.asarray(ids), E)
+    flat = ids.reshape(-1)
+    want = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
+    assert np.array_equal(cp.asnumpy(offsets), want)
+    assert np.array_equal(cp.asnumpy(order), np.argsort(flat, kind="stable"))
+
+
+@gpu_test
+def test_gpu_unvalidated_bad_ids_leave_only_their_rows_unwritten():
+    import cupy as cp
+
+    ex, x, ids = _device_case(6, 32, 64, 12, 2, 4, np.float16)
+    ids[3, 1], ids[7, 0] = 6, -2  # out of range
+    out = cp.full((12, 2, 32), np.nan, np.float16)
+    moe_linear(cp.asarray(x), cp.asarray(ids), ex, out=out, validate=False)
+    got = cp.asnumpy(out).astype(np.float32)
+    bad = np.zeros((12, 2), bool)
+    bad[3, 1] = bad[7, 0] = True
+    assert np.isnan(got[bad]).all() and not np.isnan(got[~bad]).any()
+    good = np.where(bad, 0, ids)
+    want = reference(x, good, ex)
+    assert rel_error(got[~bad], want[~bad]) <= 2e-3
