@@ -241,7 +241,9 @@ def compare(model_dir: Path, out_dir: Path, commit: str | None = None, batch_siz
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     stem.with_suffix(".md").write_text(_markdown(results))
     npz = out_dir / "minilm_reference_embeddings.npz"
-    np.savez(npz, sentences=np.array(sentences), embeddings=reference.astype(np.float32))
+    # sentences as one newline-joined string (no pickled objects); tests split it
+    np.savez_compressed(npz, sentences=np.array("\n".join(sentences)),
+                        embeddings=reference.astype(np.float32))
     print(f"wrote {stem}.json, {stem}.md, {npz}", flush=True)
     print("REFERENCE_SIMILARITIES_FIRST8 = " + json.dumps(np.round(reference_first, 4).tolist()),
           flush=True)
