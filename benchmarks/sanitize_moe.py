@@ -6,8 +6,8 @@ Runs kernels_src/moe_route.cu and the grouped launch of gemm_mma.cu (with
 and without row indirection) on: every k, both scale formats and activation
 dtypes, E = 1 .. 512, T = 1 .. 300, top_k 1 .. 10, experts without rows, one
 expert with every row, N not a multiple of 16, unchecked offsets outside
-[0, T] and unchecked ids outside [0, E) (validate=False: nothing may be
-touched outside the arrays). Results are checked loosely (the GPU tests check
+[0, T] or falling, and unchecked ids outside [0, E) (validate=False: nothing
+may be touched outside the arrays). Results are checked loosely (the GPU tests check
 them exactly); the point is that the sanitizer sees every path.
 """
 
@@ -52,7 +52,9 @@ for k in (2, 3, 4, 5):
                 bad = offsets.copy()
                 bad[0], bad[-1] = -7, T + 100  # unchecked offsets outside [0, T]
                 kc.kbit_grouped_gemm(x, ex, bad, validate=False)
-                count += 4
+                zigzag = cp.asarray(np.resize(np.array([0, T], np.int32), E + 1))  # falling
+                kc.kbit_grouped_gemm(x, ex, zigzag, validate=False)
+                count += 5
             one = cp.asarray(np.array([0, 0, 300, 300], np.int32))  # one expert takes every row
             ex = kc.quantize_experts(cp.asarray(rng.standard_normal((3, 64, 128)).astype(np.float32)),
                                      k, absmax_format=fmt)

@@ -295,7 +295,8 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     rows_per_problem = 8 * m_tiles
     # gemm_mma.cu, "Grouped launch": the problem count is found on the device;
     # this bounds it (each expert with rows: one problem, plus one per full
-    # rows_per_problem) for the counters and the 32-bit unit index.
+    # rows_per_problem; offsets that fall could exceed it and are cut there by
+    # the kernel) for the counters and the 32-bit unit index.
     max_problems = min(E, T) + T // rows_per_problem
     groups = math.ceil(rt_n / _WARPS)
     if max_problems * groups * kt_n >= 2**31 or E * rt_n * kt_n >= 2**31:
@@ -317,7 +318,8 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     counters = _counters(max_problems * rt_n)
     kern((ctas, 1), (_WARPS * 32,),
          (tiles, scales, experts.codebook, A, C, np.int32(T), np.int32(N), np.int32(K_dim),
-          np.int32(rt_n), np.int32(kt_n), np.int32(kt_n), np.int32(_sm_count()), np.int32(0),
+          np.int32(rt_n), np.int32(kt_n), np.int32(kt_n), np.int32(_sm_count()),
+          np.int32(max_problems),
           workspace, counters, offsets, np.int32(E),
           _NULL if row_ids is None else row_ids, np.int32(ids_per_row)), shared_mem=shared)
 
@@ -388,7 +390,7 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     _, x = _check_inputs(x, experts)
     E, N, _ = experts.shape
     if validate and topk_ids.size:
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        lo, hi = (int(v) for v in to_host(xp.stack([topk_ids.min(), topk_ids.max()])))
         if lo < 0 or hi >= E:
             raise ValueError(f"topk_ids must be in [0, {E}) (E = {E} experts), got ids from "
                              f"{lo} to {hi}")

@@ -163,7 +163,7 @@ constexpr int kMinCtas =
 // WG > 0: the Hopper path (see the header; sm_90a only) with WG warpgroups
 // per CTA, RPW = 1, the staged activations in wgmma's layout. WG = 0: mma.sync, 4 warps.
 // GROUPED: the grouped launch (see the header); M is then the rows of C, q
-// the GPU's SM count, rem unused, group_offsets holds experts + 1 row offsets, and
+// the GPU's SM count, rem the most problems the host allows for, group_offsets holds experts + 1 row offsets, and
 // row_ids (optional) maps sorted rows to rows of C and, divided by
 // ids_per_row, of A.
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
@@ -231,7 +231,10 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
       row_start[experts] = clamped(experts);
     }
     __syncthreads();
-    const int groups = tile_cum[experts] * problem_groups;
+    // rem: the host's bound on the problem count (counters, 32-bit units).
+    // Only offsets that fall can exceed it (validate=False): their extra
+    // problems are dropped, nothing is written outside the counters.
+    const int groups = min(tile_cum[experts], rem) * problem_groups;
     const int units = groups * k_tiles;  // < 2^31: experts.py
     // CTAs used: all (stream-K), or one per group when that leaves the
     // busiest SM fewer tiles (no partial tiles to reduce; gemm.py's
