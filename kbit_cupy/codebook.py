@@ -97,7 +97,7 @@ def fit_codebook(
         raise ValueError(f"bins must be an integer in [2, 2**24], got {bins!r}")
     weight, wz, wzz = _histogram(_as_tensors(data), absmax_format, int(bins))
     if not weight.any():  # all blocks have scale 0: every codebook is exact
-        return start
+        return np.sort(start)
     hist = _Histogram(weight, wz, wzz)
     best = hist.lloyd(start)
     rng = np.random.default_rng(seed)

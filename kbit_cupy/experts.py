@@ -13,6 +13,7 @@ and returns results in token order. NumPy inputs run the NumPy path
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -32,13 +33,23 @@ from .gemm import (
     _tile_counts,
     repack_for_gemm,
 )
-from .quantize import _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
+from .quantize import _attributes, _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
 
 _WARPS = 4  # per CTA of the grouped launch (mma.sync, one row tile per warp)
 # moe_route.cu's per-(warp, expert) slots: 44 KB, under the 48 KB a launch gets
 # without opting in (the kernel's static shared memory comes on top)
 _ROUTE_SHARED_INTS = 11 * 1024
 _resident_cache: dict[tuple[int, int], int] = {}
+
+
+def _check_device(name: str, arr) -> None:
+    """A CuPy input must live on the current device (where the kernels run)."""
+    import cupy
+
+    if arr.device.id != cupy.cuda.Device().id:
+        raise ValueError(f"{name} is on GPU {arr.device.id}, not the current one "
+                         f"({cupy.cuda.Device().id}); move it with cupy.asarray under the right "
+                         "cupy.cuda.Device")
 
 
 @dataclass
@@ -201,6 +212,8 @@ def _output(xp, out, shape: tuple, dtype):
         raise ValueError(f"out must have shape {shape} and dtype {dtype}, got {out.shape} {out.dtype}")
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
+    if xp is not np:
+        _check_device("out", out)
     return out
 
 
@@ -209,6 +222,8 @@ def _check_offsets(xp, offsets, E: int, T: int, validate: bool):
     if array_module(offsets) is not xp:
         raise TypeError("group_offsets must be in the same module as A (NumPy or CuPy)")
     offsets = xp.asarray(offsets)
+    if xp is not np:
+        _check_device("group_offsets", offsets)
     if offsets.dtype.kind not in "iu":
         raise TypeError(f"group_offsets must be an integer array (int32), got {offsets.dtype}")
     if offsets.shape != (E + 1,):
@@ -235,9 +250,13 @@ def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate
         A's module, rising from 0 to T. Experts without rows cost nothing.
     out : optional C-contiguous ``[T, N]`` array of A's dtype and module.
     validate : check ``group_offsets`` (on the GPU: one small device-to-host
-        copy, a synchronisation). With ``validate=False`` nothing is checked;
-        offsets are clamped to ``[0, T]`` on the device, so nothing outside A
-        or C is touched, but rows no expert owns are left unwritten.
+        copy, a synchronisation). With ``validate=False`` nothing is checked
+        and nothing outside A or C is touched (offsets are clamped to
+        ``[0, T]`` on the device), but bad offsets give bad results: rows no
+        expert owns are left unwritten; offsets that fall let experts share
+        rows, whose values then depend on which writes last (not
+        deterministic), and past min(E, T) + T / rows-per-problem problems the
+        rest are dropped.
 
     Returns ``C`` ``[T, N]`` in A's dtype, accumulated in float32; the same
     inputs on the same GPU give the same bits on every call.
@@ -253,11 +272,11 @@ def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate
     if T == 0:
         return C
     if xp is np:
-        w = experts.dequantize(np.float32)
         for e in range(E):
             r0, r1 = (min(max(int(o), 0), T) for o in offsets[e:e + 2])
-            if r1 > r0:
-                C[r0:r1] = (A[r0:r1].astype(np.float32) @ w[e].T).astype(A.dtype)
+            if r1 > r0:  # experts without rows are never dequantized
+                w = experts.expert(e).dequantize(np.float32)
+                C[r0:r1] = (A[r0:r1].astype(np.float32) @ w.T).astype(A.dtype)
         return C
     A = xp.ascontiguousarray(A)
     if A.data.ptr % 16:
@@ -299,13 +318,22 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     # the kernel) for the counters and the 32-bit unit index.
     max_problems = min(E, T) + T // rows_per_problem
     groups = math.ceil(rt_n / _WARPS)
-    if max_problems * groups * kt_n >= 2**31 or E * rt_n * kt_n >= 2**31:
+    # 32-bit unit, tile and counter indices; the kernel's saturating scan sums
+    # up to one bound per thread
+    if (max(groups * kt_n, rt_n) * max_problems >= 2**31 or E * rt_n * kt_n >= 2**31
+            or max_problems * _WARPS * 32 >= 2**31):
         raise ValueError(f"too much work for one grouped launch ({E} experts of [{N}, {K_dim}], "
                          f"{T} rows); split the rows into several calls")
     kern = _jit.get_kernel("gemm_mma", experts.k, A.dtype.name, experts.absmax.dtype.name,
                            m_tiles, 1, 0, True)
     stage = m_tiles * 8 * K_PER_TILE * A.dtype.itemsize
     shared = 2 * stage + 2 * (E + 1) * 4  # two activation stages, then the problem tables
+    limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
+    if kern.shared_size_bytes + shared > limit:
+        raise ValueError(
+            f"{E} experts need {kern.shared_size_bytes + shared} bytes of shared memory per CTA "
+            f"in one grouped launch; this GPU allows {limit}. Split the experts into groups "
+            "(separate KbitExperts) and launch each")
     if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
         kern.max_dynamic_shared_size_bytes = shared
     key = (id(kern), shared)
@@ -328,6 +356,20 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
 # routing
 
 
+@functools.cache
+def _ids_kernel():
+    import cupy as cp
+
+    return cp.ElementwiseKernel("T x, int64 experts", "int32 y",
+                                "y = (x < 0 || (long long)x >= experts) ? -1 : (int)x",
+                                "kbit_ids_to_int32")
+
+
+def _ids_to_int32(ids, experts):
+    """Expert ids as int32, those outside [0, experts) as -1 (one launch)."""
+    return _ids_kernel()(ids, experts)
+
+
 def route_pairs(topk_ids, experts: int):
     """Group a router's choices by expert on the GPU, in one launch.
 
@@ -336,8 +378,8 @@ def route_pairs(topk_ids, experts: int):
     Returns ``(offsets, order)``, CuPy int32: ``offsets`` ``[experts + 1]``
     (expert e owns sorted rows ``offsets[e] .. offsets[e+1] - 1``) and
     ``order`` ``[pairs]`` (sorted row -> pair; entries past
-    ``offsets[experts]`` are unused). Equals a stable sort of the ids
-    (``numpy.argsort(ids, kind="stable")``); deterministic.
+    ``offsets[experts]`` are unused). For ids all in range this is a stable
+    sort (``numpy.argsort(ids, kind="stable")``); deterministic.
     """
     import cupy as cp
 
@@ -345,7 +387,12 @@ def route_pairs(topk_ids, experts: int):
     if warps < 1:
         raise ValueError(f"routing on the GPU takes at most {_ROUTE_SHARED_INTS} experts, got "
                          f"{experts}; group the rows yourself and call kbit_grouped_gemm")
-    ids = cp.ascontiguousarray(topk_ids.reshape(-1).astype(cp.int32, copy=False))
+    if topk_ids.size >= 2**31:
+        raise ValueError(f"routing on the GPU takes fewer than 2**31 choices, got {topk_ids.size}")
+    flat = topk_ids.reshape(-1)
+    # int32 for the kernel; wider ids outside [0, experts) must not wrap into range
+    ids = flat if flat.dtype == cp.int32 else _ids_to_int32(flat, np.int64(experts))
+    ids = cp.ascontiguousarray(ids)
     offsets = cp.empty(int(experts) + 1, dtype=cp.int32)
     order = cp.empty(ids.size, dtype=cp.int32)
     route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
@@ -368,11 +415,14 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
         unwritten; nothing outside the arrays is touched.
 
     Returns ``out[t, j] = x[t] @ dequant(W[topk_ids[t, j]]).T``. On the GPU
-    this is two launches and no host round trip: one groups the pairs by
+    with ``validate=False`` this is two launches (three for ids wider than
+    int32) and no host round trip: one groups the pairs by
     expert (``kernels_src/moe_route.cu``, a stable counting sort), one
     multiplies them (the ``kbit_grouped_gemm`` kernel, reading x's rows and
     writing out's rows through the sorted order); deterministic. Up to 11264
-    experts on the GPU.
+    experts for the routing; the grouped launch needs ``8 (E + 1)`` bytes of
+    shared memory on top of its activation stages (a ValueError says when
+    the GPU has too little).
 
     Raises TypeError (dtypes, places) and ValueError (shapes, ids out of
     range).
@@ -381,6 +431,8 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     if array_module(topk_ids) is not xp:
         raise TypeError("topk_ids must be in the same module as x (NumPy or CuPy)")
     topk_ids = xp.asarray(topk_ids)
+    if xp is not np:
+        _check_device("topk_ids", topk_ids)
     if topk_ids.dtype.kind not in "iu":
         raise TypeError(f"topk_ids must be integers, got {topk_ids.dtype}")
     if topk_ids.ndim != 2 or x.ndim != 2 or topk_ids.shape[0] != x.shape[0]:

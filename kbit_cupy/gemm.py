@@ -168,7 +168,8 @@ class _KbitArrays:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of packed indices + scales + codebook (the kernels' tiled copy is the same size)."""
+        """Bytes of packed indices + scales + codebook (the FORMAT.md arrays; the kernels'
+        tiled copy pads rows to 16 and columns to 256)."""
         return int(self.packed.nbytes + self.absmax.nbytes + self.codebook.nbytes)
 
     @property

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._arrays import BFLOAT16, as_module_array, gpu_available, is_device_array, to_host
+from .experts import KbitExperts
 from .gemm import KbitWeight
 from .quantize import ABSMAX_FORMATS
 
@@ -122,7 +123,7 @@ def _parse_entry(path, name: str, raw) -> _Entry:
     where = f"tensor {name!r}"
     if not isinstance(raw, dict) or not {"dtype", "shape", "data_offsets"} <= raw.keys():
         raise _bad_file(path, f"{where}: header entry {raw!r} lacks dtype, shape or data_offsets")
-    dtype = SAFETENSORS_DTYPES.get(raw["dtype"])
+    dtype = SAFETENSORS_DTYPES.get(raw["dtype"]) if isinstance(raw["dtype"], str) else None
     if dtype is None:
         raise _bad_file(
             path,
@@ -369,6 +370,9 @@ def save_quantized(
     owner: dict[str, str] = {}  # tensor name -> the model entry that produced it
     weights: dict[str, dict] = {}
     for name, value in model.items():
+        if isinstance(value, KbitExperts):
+            raise TypeError(f"{os.fspath(path)}: {name!r} is a KbitExperts, which save_quantized "
+                            "does not store yet; save each experts.expert(e) as its own weight")
         if isinstance(value, KbitWeight):
             _check_name(path, name)
             parts = {f"{name}.{part}": getattr(value, part) for part in WEIGHT_PARTS}
@@ -407,7 +411,9 @@ def _weight_specs(path, metadata: dict[str, str]) -> dict[str, dict]:
         raise _bad_file(path, f"the kbit_cupy metadata has no 'weights' object: {document!r}")
     for name, spec in weights.items():
         if (not isinstance(spec, dict) or not isinstance(spec.get("k"), int)
+                or isinstance(spec.get("k"), bool)
                 or not isinstance(spec.get("shape"), list) or len(spec["shape"]) != 2
+                or not all(_is_count(d) for d in spec["shape"])
                 or spec.get("absmax_format") not in ABSMAX_FORMATS):
             raise _bad_file(path, f"weight {name!r}: kbit_cupy metadata {spec!r} is not "
                                   '{"k": int, "shape": [N, K_dim], "absmax_format": '

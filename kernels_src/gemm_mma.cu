@@ -217,24 +217,25 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
       const int rows = clamped(e + 1) - clamped(e);
       return rows > 0 ? (rows + 8 * M_TILES - 1) / (8 * M_TILES) : 0;
     };
+    // Counts saturate at rem, the host's bound on the problem count (the
+    // counters, 32-bit units): only offsets that fall can exceed it
+    // (validate=False); the problems past it are dropped, and the sums
+    // cannot wrap (experts.py keeps rem * blockDim.x below 2^31).
     int mine = 0;
-    for (int e = e0; e < e1; ++e) mine += problems_of(e);
+    for (int e = e0; e < e1; ++e) mine = min(mine + problems_of(e), rem);
     __shared__ int warp_sums[32];
-    int before = cta_exclusive_scan(mine, warp_sums);
+    int before = min(cta_exclusive_scan(mine, warp_sums), rem);
     for (int e = e0; e < e1; ++e) {
       tile_cum[e] = before;
       row_start[e] = clamped(e);
-      before += problems_of(e);
+      before = min(before + problems_of(e), rem);
     }
     if (threadIdx.x == blockDim.x - 1) {
       tile_cum[experts] = before;
       row_start[experts] = clamped(experts);
     }
     __syncthreads();
-    // rem: the host's bound on the problem count (counters, 32-bit units).
-    // Only offsets that fall can exceed it (validate=False): their extra
-    // problems are dropped, nothing is written outside the counters.
-    const int groups = min(tile_cum[experts], rem) * problem_groups;
+    const int groups = tile_cum[experts] * problem_groups;
     const int units = groups * k_tiles;  // < 2^31: experts.py
     // CTAs used: all (stream-K), or one per group when that leaves the
     // busiest SM fewer tiles (no partial tiles to reduce; gemm.py's

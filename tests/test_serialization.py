@@ -241,6 +241,8 @@ CORRUPT_FILES = {
     "entry not object": (lambda p: _craft_raw(p, {"a": [1]}, b""), "lacks dtype"),
     "unknown dtype": (lambda p: _craft_raw(p, {"a": _valid_entry(dtype="C64")}, bytes(8)),
                       "dtype 'C64'"),
+    "dtype not a string": (lambda p: _craft_raw(p, {"a": _valid_entry(dtype=["F32"])}, bytes(8)),
+                           "dtype \\['F32'\\]"),
     "bad shape": (lambda p: _craft_raw(p, {"a": _valid_entry(shape=[-2])}, bytes(8)), "shape"),
     "bad offsets": (lambda p: _craft_raw(p, {"a": _valid_entry(data_offsets=[8, 0])}, bytes(8)),
                     "data_offsets"),
@@ -342,6 +344,14 @@ def test_save_rejects_values_that_are_not_arrays_or_weights(tmp_path):
         save_quantized(tmp_path / "m.safetensors", {("a",): _weight(2, 1, 32)})
 
 
+def test_experts_objects_are_refused_with_what_to_do(tmp_path):
+    from kbit_cupy import quantize_experts
+
+    experts = quantize_experts(np.ones((2, 16, 32), np.float32), 4)
+    with pytest.raises(TypeError, match="experts.expert"):
+        save_quantized(tmp_path / "m.safetensors", {"moe": experts})
+
+
 def test_plain_file_given_to_load_quantized_says_use_read_safetensors(tmp_path):
     path = tmp_path / "plain.safetensors"
     write_safetensors(path, {"t": np.zeros(2, np.float32)})
@@ -385,6 +395,8 @@ MISMATCHES = {
     "bad k": ({"document": _with_spec(k=9)}, "does not match"),
     "shape": ({"document": _with_spec(shape=[7, 128])}, "does not match"),
     "shape not 2-d": ({"document": _with_spec(shape=[7])}, "is not"),
+    "shape not integers": ({"document": _with_spec(shape=[7.0, 64.0])}, "is not"),
+    "k a bool": ({"document": _with_spec(k=True)}, "is not"),
     "absmax format": ({"document": _with_spec(absmax_format="fp16")}, "absmax_format='fp16'"),
     "unknown absmax format": ({"document": _with_spec(absmax_format="e8m0")}, "is not"),
     "version": ({"document": lambda d: d | {"format_version": 2}}, "version 2"),
