@@ -6,9 +6,10 @@ expert weight shapes) and token count T, a uniform random router picks each
 token's top-k distinct experts (seeded); the rows are grouped by expert and
 timed, cold L2, in one interleaved ``bench.time_ops`` call:
 
-- ``grouped``: ``kbit_grouped_gemm`` on the grouped rows (one launch);
-- ``moe_linear``: the whole routed call (grouping on the GPU, the launch,
-  results back in token order);
+- ``grouped``: ``kbit_grouped_gemm`` on the grouped rows (one launch,
+  ``validate=False``: no offset check, no host round trip);
+- ``moe_linear``: the whole routed call with ``validate=False`` (grouping on
+  the GPU, the launch, results back in token order);
 - ``cublas_batched``: one ``cupy.matmul`` over the experts that have tokens,
   each group padded to the largest (the fp16 weights of those experts
   gathered beforehand, outside the timing), weights ``[E, N, K_dim]`` as a
