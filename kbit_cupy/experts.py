@@ -39,6 +39,10 @@ _WARPS = 4  # per CTA of the grouped launch (mma.sync, one row tile per warp)
 # moe_route.cu's per-(warp, expert) slots: 44 KB, under the 48 KB a launch gets
 # without opting in (the kernel's static shared memory comes on top)
 _ROUTE_SHARED_INTS = 11 * 1024
+# Up to this many (token, choice) pairs moe_linear routes inside the grouped
+# launch (every CTA groups them: O(pairs^2 / 128) shared-memory compares per
+# thread) instead of launching moe_route.cu first.
+_FUSED_ROUTE_MAX_PAIRS = 256
 _resident_cache: dict[tuple[int, int], int] = {}
 
 
@@ -300,10 +304,13 @@ def grouped_m_tiles(rows: int, experts: int) -> int:
     return next((t for t in _jit.GEMM_GROUPED_M_TILES if 8 * t >= want), _jit.GEMM_GROUPED_M_TILES[-1])
 
 
-def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_row: int = 1) -> None:
+def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_row: int = 1,
+                    route_ids=None) -> None:
     """One grouped launch. ``C`` is ``[R, N]``; without ``row_ids`` A has the same
     R rows, with it sorted row g is row ``row_ids[g]`` of C and
-    ``row_ids[g] // ids_per_row`` of A (moe_linear)."""
+    ``row_ids[g] // ids_per_row`` of A (moe_linear). With ``route_ids`` (R int32
+    expert ids) instead of ``offsets`` and ``row_ids``, every CTA groups the
+    pairs itself (moe_linear with few pairs)."""
     import cupy as cp
 
     E, N, K_dim = experts.shape
@@ -327,7 +334,8 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     kern = _jit.get_kernel("gemm_mma", experts.k, A.dtype.name, experts.absmax.dtype.name,
                            m_tiles, 1, 0, True)
     stage = m_tiles * 8 * K_PER_TILE * A.dtype.itemsize
-    shared = 2 * stage + 2 * (E + 1) * 4  # two activation stages, then the problem tables
+    # two activation stages, then the problem tables (and the routed ids and order)
+    shared = 2 * stage + 2 * (E + 1) * 4 + (2 * T * 4 if route_ids is not None else 0)
     limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     if kern.shared_size_bytes + shared > limit:
         raise ValueError(
@@ -348,8 +356,9 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
          (tiles, scales, experts.codebook, A, C, np.int32(T), np.int32(N), np.int32(K_dim),
           np.int32(rt_n), np.int32(kt_n), np.int32(kt_n), np.int32(_sm_count()),
           np.int32(max_problems),
-          workspace, counters, offsets, np.int32(E),
-          _NULL if row_ids is None else row_ids, np.int32(ids_per_row)), shared_mem=shared)
+          workspace, counters, _NULL if offsets is None else offsets, np.int32(E),
+          _NULL if row_ids is None else row_ids, np.int32(ids_per_row),
+          _NULL if route_ids is None else route_ids), shared_mem=shared)
 
 
 # --------------------------------------------------------------------------
@@ -415,11 +424,13 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
         unwritten; nothing outside the arrays is touched.
 
     Returns ``out[t, j] = x[t] @ dequant(W[topk_ids[t, j]]).T``. On the GPU
-    with ``validate=False`` this is two launches (three for ids wider than
-    int32) and no host round trip: one groups the pairs by
-    expert (``kernels_src/moe_route.cu``, a stable counting sort), one
-    multiplies them (the ``kbit_grouped_gemm`` kernel, reading x's rows and
-    writing out's rows through the sorted order); deterministic. Up to 11264
+    with ``validate=False`` there is no host round trip: up to 256 pairs
+    (``T * top_k``) one launch, in which every CTA of the ``kbit_grouped_gemm``
+    kernel groups the pairs by expert itself; beyond that two launches, one
+    grouping them (``kernels_src/moe_route.cu``, a stable counting sort) and
+    the grouped one; ids wider than int32 add one conversion launch. Either
+    way the rows of x and out are read and written in place through the
+    sorted order; deterministic. Up to 11264
     experts for the routing; the grouped launch needs ``8 (E + 1)`` bytes of
     shared memory on top of its activation stages (a ValueError says when
     the GPU has too little).
@@ -463,11 +474,18 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     # them, reading x's rows and writing C's through the sorted order.
     import cupy as cp
 
-    offsets, order = route_pairs(topk_ids, E)
     x = cp.ascontiguousarray(x)
     if x.data.ptr % 16:
         x = x.copy()
-    _launch_grouped(x, experts.prepare(), offsets, C.reshape(T * top_k, N), order, top_k)
+    rows = C.reshape(T * top_k, N)
+    if T * top_k <= _FUSED_ROUTE_MAX_PAIRS:  # one launch: each CTA groups the pairs itself
+        flat = topk_ids.reshape(-1)
+        ids = flat if flat.dtype == cp.int32 else _ids_to_int32(flat, np.int64(E))
+        _launch_grouped(x, experts.prepare(), None, rows, None, top_k,
+                        route_ids=cp.ascontiguousarray(ids))
+    else:
+        offsets, order = route_pairs(topk_ids, E)
+        _launch_grouped(x, experts.prepare(), offsets, rows, order, top_k)
     return C
 
 

@@ -528,7 +528,8 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
                                    np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(group_units),
                                    np.int32(units // ctas),
                                    np.int32(units % ctas),
-                                   workspace, counters, _NULL, np.int32(0), _NULL, np.int32(1)),
+                                   workspace, counters, _NULL, np.int32(0), _NULL, np.int32(1),
+                                   _NULL),
          shared_mem=shared)
 
 

@@ -165,7 +165,8 @@ constexpr int kMinCtas =
 // GROUPED: the grouped launch (see the header); M is then the rows of C, q
 // the GPU's SM count, rem the most problems the host allows for, group_offsets holds experts + 1 row offsets, and
 // row_ids (optional) maps sorted rows to rows of C and, divided by
-// ids_per_row, of A.
+// ids_per_row, of A. route_ids (optional, instead of group_offsets and
+// row_ids): the router's M expert ids; every CTA groups them itself (below).
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
           bool GROUPED = false>
 __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale), M_TILES, RPW>) kbit_gemm_mma(
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
     float* __restrict__ workspace, int* __restrict__ counters,
     const int* __restrict__ group_offsets, int experts, const int* __restrict__ row_ids,
-    int ids_per_row) {
+    int ids_per_row, const int* __restrict__ route_ids) {
   static_assert(!WG || (RPW == 1 && M_TILES <= 16), "wgmma: N = 8 .. 128");
   static_assert(!GROUPED || (!WG && RPW == 1), "grouped: mma.sync, one row tile per warp");
   const int lane = threadIdx.x & 31;
@@ -207,34 +208,70 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   constexpr int kStageChunks = 8 * M_TILES * 32;
   int* tile_cum = reinterpret_cast<int*>(x_stage + kStages * kStageChunks);  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
+  // route_ids: the ids (M) and the sorted order (M) follow
+  int* route_id = row_start + experts + 1;
+  int* route_order = route_id + (route_ids ? M : 0);
   const int problem_groups = (row_tiles + warps * RPW - 1) / (warps * RPW);
   if constexpr (GROUPED) {
+    // route_ids (moe_linear with few pairs): each CTA counts the pairs per
+    // expert itself (integer shared atomics: order-free) instead of reading
+    // group_offsets, which saves the routing launch.
+    if (route_ids) {
+      for (int e = threadIdx.x; e <= experts; e += blockDim.x) tile_cum[e] = 0;
+      __syncthreads();
+      for (int i = threadIdx.x; i < M; i += blockDim.x) {
+        const int e = __ldg(route_ids + i);
+        route_id[i] = e;
+        if (e >= 0 && e < experts) atomicAdd(tile_cum + e, 1);
+      }
+      __syncthreads();
+    }
     // Block-wide prefix count: thread i scans experts [i * per, (i + 1) * per).
     const int per = (experts + blockDim.x - 1) / blockDim.x;
     const int e0 = min(experts, (int)threadIdx.x * per), e1 = min(experts, e0 + per);
     auto clamped = [&](int e) { return min(max(__ldg(group_offsets + e), 0), M); };
-    auto problems_of = [&](int e) {
-      const int rows = clamped(e + 1) - clamped(e);
-      return rows > 0 ? (rows + 8 * M_TILES - 1) / (8 * M_TILES) : 0;
-    };
+    auto rows_of = [&](int e) { return route_ids ? tile_cum[e] : clamped(e + 1) - clamped(e); };
+    auto problems = [&](int rows) { return rows > 0 ? (rows + 8 * M_TILES - 1) / (8 * M_TILES) : 0; };
     // Counts saturate at rem, the host's bound on the problem count (the
     // counters, 32-bit units): only offsets that fall can exceed it
     // (validate=False); the problems past it are dropped, and the sums
     // cannot wrap (experts.py keeps rem * blockDim.x below 2^31).
-    int mine = 0;
-    for (int e = e0; e < e1; ++e) mine = min(mine + problems_of(e), rem);
+    int mine = 0, mine_rows = 0;
+    for (int e = e0; e < e1; ++e) {
+      mine = min(mine + problems(rows_of(e)), rem);
+      mine_rows += route_ids ? rows_of(e) : 0;
+    }
     __shared__ int warp_sums[32];
     int before = min(cta_exclusive_scan(mine, warp_sums), rem);
+    int rows_before = 0;
+    if (route_ids) {
+      __syncthreads();  // every thread has read warp_sums
+      rows_before = cta_exclusive_scan(mine_rows, warp_sums);
+    }
     for (int e = e0; e < e1; ++e) {
+      const int rows = rows_of(e);  // (this thread's own count, read before it is replaced)
       tile_cum[e] = before;
-      row_start[e] = clamped(e);
-      before = min(before + problems_of(e), rem);
+      row_start[e] = route_ids ? rows_before : clamped(e);
+      before = min(before + problems(rows), rem);
+      rows_before += rows;
     }
     if (threadIdx.x == blockDim.x - 1) {
       tile_cum[experts] = before;
-      row_start[experts] = clamped(experts);
+      row_start[experts] = route_ids ? rows_before : clamped(experts);
     }
     __syncthreads();
+    if (route_ids) {
+      // Pair i's row: its expert's first row plus the pairs before it with the
+      // same expert (a stable sort; the host keeps M small: O(M^2) compares).
+      for (int i = threadIdx.x; i < M; i += blockDim.x) {
+        const int e = route_id[i];
+        if (e < 0 || e >= experts) continue;
+        int rank = 0;
+        for (int j = 0; j < i; ++j) rank += route_id[j] == e;
+        route_order[row_start[e] + rank] = i;
+      }
+      __syncthreads();
+    }
     const int groups = tile_cum[experts] * problem_groups;
     const int units = groups * k_tiles;  // < 2^31: experts.py
     // CTAs used: all (stream-K), or one per group when that leaves the
@@ -290,8 +327,12 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // Grouped: sorted row g of a problem is row a_row(g) of A and c_row(g) of
   // C; with row_ids (moe_linear: pair i = row_ids[g], token i / ids_per_row)
   // the rows are read and written in place, no gather or scatter.
-  auto c_row = [&](int g) { return row_ids ? __ldg(row_ids + g) : g; };
-  auto a_row = [&](int g) { return row_ids ? __ldg(row_ids + g) / ids_per_row : g; };
+  auto c_row = [&](int g) {
+    return route_ids ? route_order[g] : row_ids ? __ldg(row_ids + g) : g;
+  };
+  auto a_row = [&](int g) {
+    return (route_ids ? route_order[g] : row_ids ? __ldg(row_ids + g) : g) / ids_per_row;
+  };
   // Row tile r of a group's warp; past the last one it is redone as the last
   // one (uniform control flow: barriers and shuffles see every warp and lane)
   // and stores nothing.

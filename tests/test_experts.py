@@ -334,3 +334,21 @@ def test_gpu_wide_ids_outside_the_range_do_not_wrap_into_it():
     offsets, order = route_pairs(ids, 4)
     assert cp.asnumpy(offsets).tolist() == [0, 0, 0, 0, 1]  # only the id 3 gets a row
     assert int(order[0]) == 0
+
+
+@gpu_test
+@pytest.mark.parametrize("T, top_k, E", [(1, 8, 128), (32, 8, 64), (25, 10, 512)])
+def test_gpu_routing_inside_the_launch_gives_the_same_bits_as_the_routing_launch(
+        T, top_k, E, monkeypatch):
+    """Up to 256 pairs every CTA groups them itself; both paths sort stably, so the
+    rows, the problems and the bits are the same."""
+    import cupy as cp
+
+    from kbit_cupy import experts as experts_module
+
+    ex, x, ids = _device_case(E, 64, 128, T, top_k, 4, np.float16)
+    x, ids = cp.asarray(x), cp.asarray(ids)
+    fused = cp.asnumpy(moe_linear(x, ids, ex))
+    monkeypatch.setattr(experts_module, "_FUSED_ROUTE_MAX_PAIRS", 0)
+    launched = cp.asnumpy(moe_linear(x, ids, ex))
+    assert np.array_equal(fused.view(np.uint16), launched.view(np.uint16))
