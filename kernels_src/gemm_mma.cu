@@ -330,8 +330,9 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   auto c_row = [&](int g) {
     return route_ids ? route_order[g] : row_ids ? __ldg(row_ids + g) : g;
   };
-  auto a_row = [&](int g) {
-    return (route_ids ? route_order[g] : row_ids ? __ldg(row_ids + g) : g) / ids_per_row;
+  auto a_row = [&](int g) {  // no division without indirection (kbit_grouped_gemm)
+    if (route_ids) return route_order[g] / ids_per_row;
+    return row_ids ? __ldg(row_ids + g) / ids_per_row : g;
   };
   // Row tile r of a group's warp; past the last one it is redone as the last
   // one (uniform control flow: barriers and shuffles see every warp and lane)
@@ -415,12 +416,15 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     if constexpr (GROUPED) {
       // All 8 * M_TILES staged rows; row r of the problem is row
       // a_row(from_row0 + r) of A, those past from_rows zero-filled.
+      // Thread t copies chunk t % 32 of rows t / 32, t / 32 + 4, ...: one row
+      // lookup per row (as the hoisted form below).
       const unsigned base =
           (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
-      for (int i = threadIdx.x; i < 8 * M_TILES * 32; i += kThreads) {
-        const int row = i >> 5, c = i & 31;
-        const int col = kt_l * 256 + 8 * c;
-        const bool valid = col < K_dim && row < from_rows;
+      const int c = threadIdx.x & 31;
+      const int col = kt_l * 256 + 8 * c;
+      const bool col_ok = col < K_dim;
+      for (int row = threadIdx.x >> 5; row < 8 * M_TILES; row += kThreads / 32) {
+        const bool valid = col_ok && row < from_rows;
         const T* src = valid ? A + (long long)a_row(from_row0 + row) * K_dim + col : A;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                          base + 16u * x_chunk(row, c)), "l"(src), "r"(valid ? 16 : 0));
