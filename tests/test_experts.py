@@ -258,7 +258,8 @@ def test_gpu_unvalidated_bad_offsets_stay_inside_the_arrays():
 def test_gpu_unvalidated_falling_offsets_past_the_problem_bound_are_cut():
     """16 experts with offsets 0, 10, 0, 10, ...: 8 experts claim all 10 rows (16
     problems, past the bound of 11); the kernel drops the rest, stays inside the
-    arrays, and every row holds one of the claiming experts' products."""
+    arrays, and every element holds one of the claiming experts' values (different
+    experts' CTAs may write different elements of one row last)."""
     import cupy as cp
 
     ex, x, _ = _device_case(16, 32, 64, 10, 1, 4, np.float16)
@@ -267,8 +268,8 @@ def test_gpu_unvalidated_falling_offsets_past_the_problem_bound_are_cut():
     C = cp.asnumpy(kbit_grouped_gemm(cp.asarray(x), ex, zigzag, out=out, validate=False))
     candidates = [x.astype(np.float64) @ to_host(ex.expert(e).dequantize(np.float32)).T
                   for e in range(0, 16, 2)]
-    for r in range(10):
-        assert min(rel_error(C[r], c[r]) for c in candidates) <= 2e-3
+    nearest = np.min([np.abs(C.astype(np.float64) - c) for c in candidates], axis=0)
+    assert nearest.max() <= 2e-3 * max(np.abs(c).max() for c in candidates)
 
 
 @gpu_test
