@@ -20,20 +20,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _jit
-from ._arrays import array_module, as_module_array, is_device_array, same_module, to_host
+from ._arrays import array_module, as_module_array, same_module, to_host
 from .format import BLOCK, check_codebook, check_k
 from .gemm import (
     _NULL,
-    ACT_DTYPES,
     K_PER_TILE,
     KbitWeight,
     _check_shape,
     _counters,
     _KbitArrays,
     _tile_counts,
+    check_activation_dtype,
+    check_same_place,
+    launch_ctas_per_sm,
     repack_for_gemm,
 )
-from .quantize import _attributes, _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
+from .quantize import _attributes, _sm_count, dequantize_kbit, quantize_kbit
 
 _WARPS = 4  # per CTA of the grouped launch (mma.sync, one row tile per warp)
 # moe_route.cu's per-(warp, expert) slots: 44 KB, under the 48 KB a launch gets
@@ -43,7 +45,6 @@ _ROUTE_SHARED_INTS = 11 * 1024
 # launch (every CTA groups them: O(pairs^2 / 128) shared-memory compares per
 # thread) instead of launching moe_route.cu first.
 _FUSED_ROUTE_MAX_PAIRS = 256
-_resident_cache: dict[tuple[int, int], int] = {}
 
 
 def _check_device(name: str, arr) -> None:
@@ -187,22 +188,11 @@ def _check_inputs(A, experts: KbitExperts):
         raise TypeError(f"experts must be a KbitExperts (from quantize_experts), got "
                         f"{type(experts).__name__}")
     xp, A = as_module_array(A, "A")
-    if A.dtype == np.float32 or A.dtype == np.float64:
-        raise TypeError(f"A must be float16 or bfloat16, got {A.dtype}; cast it first "
-                        "(A.astype(numpy.float16))")
-    if A.dtype not in ACT_DTYPES:
-        raise TypeError(f"A must be float16 or ml_dtypes.bfloat16, got {A.dtype}")
+    check_activation_dtype(A)
     K_dim = experts.shape[2]
     if A.ndim != 2 or A.shape[1] != K_dim:
         raise ValueError(f"A must be [T, K_dim={K_dim}], got shape {A.shape}")
-    if is_device_array(experts.packed) != (xp is not np):
-        where = "GPU" if is_device_array(experts.packed) else "host"
-        raise TypeError(f"A and experts must live in the same place; the experts are on the "
-                        f"{where} (use experts.to_device() or pass a NumPy A)")
-    if xp is not np and A.device.id != experts.packed.device.id:
-        raise ValueError(f"A is on GPU {A.device.id} but the experts on GPU "
-                         f"{experts.packed.device.id}; call experts.to_device() under the right "
-                         "cupy.cuda.Device")
+    check_same_place(xp, A, experts.packed, "experts", "the experts are", "experts.to_device()")
     return xp, A
 
 
@@ -221,15 +211,20 @@ def _output(xp, out, shape: tuple, dtype):
     return out
 
 
+def _integer_array(xp, arr, name: str, other: str):
+    """``arr`` as an integer array of ``xp`` on the current device (TypeError otherwise)."""
+    if array_module(arr) is not xp:
+        raise TypeError(f"{name} must be in the same module as {other} (NumPy or CuPy)")
+    arr = xp.asarray(arr)
+    if xp is not np:
+        _check_device(name, arr)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32 preferred), got dtype {arr.dtype}")
+    return arr
+
 
 def _check_offsets(xp, offsets, E: int, T: int, validate: bool):
-    if array_module(offsets) is not xp:
-        raise TypeError("group_offsets must be in the same module as A (NumPy or CuPy)")
-    offsets = xp.asarray(offsets)
-    if xp is not np:
-        _check_device("group_offsets", offsets)
-    if offsets.dtype.kind not in "iu":
-        raise TypeError(f"group_offsets must be an integer array (int32), got {offsets.dtype}")
+    offsets = _integer_array(xp, offsets, "group_offsets", "A")
     if offsets.shape != (E + 1,):
         raise ValueError(f"group_offsets must have E + 1 = {E + 1} entries, got shape "
                          f"{offsets.shape}")
@@ -342,14 +337,9 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
             f"{E} experts need {kern.shared_size_bytes + shared} bytes of shared memory per CTA "
             f"in one grouped launch; this GPU allows {limit}. Split the experts into groups "
             "(separate KbitExperts) and launch each")
-    if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
-        kern.max_dynamic_shared_size_bytes = shared
-    key = (id(kern), shared)
-    if key not in _resident_cache:
-        _resident_cache[key] = _resident_ctas(kern, _WARPS * 32, kern.shared_size_bytes + shared)
     # Every resident CTA: the kernel, knowing the unit count, uses all (stream-K) or
     # one per group (gemm_mma.cu, "Grouped launch").
-    ctas = _sm_count() * _resident_cache[key]
+    ctas = _sm_count() * launch_ctas_per_sm(kern, _WARPS * 32, shared)
     workspace = cp.empty(2 * ctas * _WARPS * m_tiles * 32 * 4, dtype=cp.float32)
     counters = _counters(max_problems * rt_n)
     kern((ctas, 1), (_WARPS * 32,),
@@ -439,13 +429,7 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     range).
     """
     xp, x = as_module_array(x, "x")
-    if array_module(topk_ids) is not xp:
-        raise TypeError("topk_ids must be in the same module as x (NumPy or CuPy)")
-    topk_ids = xp.asarray(topk_ids)
-    if xp is not np:
-        _check_device("topk_ids", topk_ids)
-    if topk_ids.dtype.kind not in "iu":
-        raise TypeError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    topk_ids = _integer_array(xp, topk_ids, "topk_ids", "x")
     if topk_ids.ndim != 2 or x.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, K_dim] and topk_ids [T, top_k] with the same T, got "
                          f"{x.shape} and {topk_ids.shape}")

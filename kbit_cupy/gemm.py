@@ -248,26 +248,45 @@ def quantize_weight(W, k: int = 4, codebook=None, absmax_format: str = "e4m4") -
 # the product
 
 
-def _check_activations(A, weight: KbitWeight, out):
-    if not isinstance(weight, KbitWeight):
-        raise TypeError(f"weight must be a KbitWeight (from quantize_weight), got {type(weight).__name__}")
-    xp, A = as_module_array(A, "A")
+def check_activation_dtype(A) -> None:
+    """TypeError unless A is fp16 or bf16 (fp32 and fp64: cast first)."""
     if A.dtype == np.float32 or A.dtype == np.float64:
         raise TypeError(f"A must be float16 or bfloat16, got {A.dtype}; cast it first (A.astype(numpy.float16))")
     if A.dtype not in ACT_DTYPES:
         raise TypeError(f"A must be float16 or ml_dtypes.bfloat16, got {A.dtype}")
+
+
+def check_same_place(xp, A, packed, noun: str, lives: str, move: str) -> None:
+    """A (module ``xp``) and the quantized arrays (``packed``) on the same host or GPU."""
+    if is_device_array(packed) != (xp is not np):
+        where = "GPU" if is_device_array(packed) else "host"
+        raise TypeError(f"A and {noun} must live in the same place; {lives} on the {where} "
+                        f"(use {move} or pass a NumPy A)")
+    if xp is not np and A.device.id != packed.device.id:
+        raise ValueError(f"A is on GPU {A.device.id} but the {noun} on GPU {packed.device.id}; "
+                         f"call {move} under the right cupy.cuda.Device")
+
+
+def launch_ctas_per_sm(kern, threads: int, shared: int) -> int:
+    """CTAs of ``kern`` resident per SM with ``shared`` dynamic bytes, after
+    opting in to dynamic shared memory past 48 KB (static + dynamic) where needed."""
+    if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
+        kern.max_dynamic_shared_size_bytes = shared
+    key = (id(kern), shared)
+    if key not in _resident_cache:
+        _resident_cache[key] = _resident_ctas(kern, threads, kern.shared_size_bytes + shared)
+    return _resident_cache[key]
+
+
+def _check_activations(A, weight: KbitWeight, out):
+    if not isinstance(weight, KbitWeight):
+        raise TypeError(f"weight must be a KbitWeight (from quantize_weight), got {type(weight).__name__}")
+    xp, A = as_module_array(A, "A")
+    check_activation_dtype(A)
     N, K_dim = weight.shape
     if A.ndim < 1 or A.shape[-1] != K_dim:
         raise ValueError(f"A's last dimension must be K_dim={K_dim}, got shape {A.shape}")
-    if is_device_array(weight.packed) != (xp is not np):
-        where = "GPU" if is_device_array(weight.packed) else "host"
-        raise TypeError(f"A and weight must live in the same place; the weight is on the {where} "
-                        "(use weight.to_device() or pass a NumPy A)")
-    if xp is not np and A.device.id != weight.packed.device.id:
-        raise ValueError(
-            f"A is on GPU {A.device.id} but the weight on GPU {weight.packed.device.id}; "
-            "call weight.to_device() under the right cupy.cuda.Device"
-        )
+    check_same_place(xp, A, weight.packed, "weight", "the weight is", "weight.to_device()")
     out_shape = A.shape[:-1] + (N,)
     if out is not None:
         if array_module(out) is not xp:
@@ -507,16 +526,11 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     # mma: two stages; wgmma: three, aligned to 1024 bytes (its swizzle) by the kernel
     shared = 3 * stage + 1024 if wg else 2 * stage
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
-    if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
-        kern.max_dynamic_shared_size_bytes = shared
+    per_sm = launch_ctas_per_sm(kern, warps * 32, shared)
     # Work split (gemm_mma.cu, "Work split"): units of (group, K tile), one
     # contiguous range per CTA, at most as many CTAs as are resident at once.
     groups = math.ceil(rt_n / (warps * per_warp))
-    key = (id(kern), shared)
-    if key not in _resident_cache:
-        _resident_cache[key] = _resident_ctas(kern, warps * 32, kern.shared_size_bytes + shared)
-    group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * _resident_cache[key],
-                                            _sm_count())
+    group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * per_sm, _sm_count())
     units = groups * group_units
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
