@@ -115,7 +115,22 @@ def all_variants() -> list[Variant]:
 MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_route.cu)
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
-GEMM_WG_M_TILES = (1, 2, 4, 8, 16)  # the same for the wgmma path (M <= 8 .. 128)
+GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)
+GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations stage per slab
+
+
+def gemm_slab_ring(m_tiles: int) -> int:
+    """Stages (64-column slabs) of the wgmma variant's ring for ``m_tiles``
+    when it stages by slab (gemm_mma.cu ``gemm_slab_ring``, which this mirrors)."""
+    return min(8, max(4, 128 // m_tiles))
+
+
+def gemm_wg_shared_bytes(m_tiles: int, itemsize: int) -> int:
+    """Dynamic shared memory of a wgmma launch: its activation stages plus
+    1 KB for the run-time alignment to the 1024-byte swizzle atom."""
+    if m_tiles >= GEMM_SLAB_MIN_M_TILES:
+        return gemm_slab_ring(m_tiles) * 8 * m_tiles * 64 * itemsize + 1024
+    return 3 * 8 * m_tiles * 256 * itemsize + 1024
 
 
 def gemm_wg_warpgroups(m_tiles: int, k: int) -> int:
@@ -126,6 +141,8 @@ def gemm_wg_warpgroups(m_tiles: int, k: int) -> int:
     M = 128 on the large layers and four beat two by 5-10% at M = 64. k = 5
     with 8 n8 tiles spills 20 bytes at four.
     """
+    if m_tiles > 16:  # 96 or 128 accumulators per thread
+        return 2
     return 3 if m_tiles == 16 or (k == 5 and m_tiles == 8) else 4
 
 

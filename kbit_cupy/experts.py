@@ -348,7 +348,7 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
           np.int32(max_problems),
           workspace, counters, _NULL if offsets is None else offsets, np.int32(E),
           _NULL if row_ids is None else row_ids, np.int32(ids_per_row),
-          _NULL if route_ids is None else route_ids), shared_mem=shared)
+          _NULL if route_ids is None else route_ids, _NULL), shared_mem=shared)
 
 
 # --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ FORMAT.md layout exactly.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from dataclasses import dataclass, field
@@ -522,11 +523,17 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
         warps = _WARPS
         kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
                                m_tiles, per_warp)
-    stage = m_tiles * 8 * K_PER_TILE * A.dtype.itemsize  # activations of one K tile
-    # mma: two stages; wgmma: three, aligned to 1024 bytes (its swizzle) by the kernel
-    shared = 3 * stage + 1024 if wg else 2 * stage
+    # mma: two stages of a K tile's activations; wgmma: three, or a ring of
+    # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
+    # swizzle) by the kernel
+    if wg:
+        shared = _jit.gemm_wg_shared_bytes(m_tiles, A.dtype.itemsize)
+    else:
+        shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
-    per_sm = launch_ctas_per_sm(kern, warps * 32, shared)
+    # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps
+    threads = warps * 32 + (128 if wg and m_tiles >= _jit.GEMM_SLAB_MIN_M_TILES else 0)
+    per_sm = launch_ctas_per_sm(kern, threads, shared)
     # Work split (gemm_mma.cu, "Work split"): units of (group, K tile), one
     # contiguous range per CTA, at most as many CTAs as are resident at once.
     groups = math.ceil(rt_n / (warps * per_warp))
@@ -538,13 +545,60 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     workspace = cp.empty(2 * ctas * warps * per_warp * m_tiles * 32 * 4, dtype=cp.float32)
     counters = _counters(rt_n)
     grid = (groups, splits) if splits > 1 else (ctas, 1)  # gemm_mma.cu: CTA (group, segment)
-    kern(grid, (warps * 32,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
+    a_map = _activation_map(A, m_tiles) if threads > warps * 32 else _NULL
+    kern(grid, (threads,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
                                    np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(group_units),
                                    np.int32(units // ctas),
                                    np.int32(units % ctas),
                                    workspace, counters, _NULL, np.int32(0), _NULL, np.int32(1),
-                                   _NULL),
+                                   _NULL, a_map),
          shared_mem=shared)
+
+
+_map_cache: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_MAP_CACHE_SIZE = 64
+_libcuda = None
+
+
+def _activation_map(A, m_tiles: int):
+    """Device copy of a CUDA tensor map of A ``[M, K_dim]`` (16-bit elements)
+    in boxes of 64 columns x ``8 * m_tiles`` rows, 128-byte swizzle, elements
+    outside A read as zero: what the wgmma kernel's producer warp loads with
+    the tensor copy engine (gemm_mma.cu, slab staging). Encoded by the driver
+    (``cuTensorMapEncodeTiled``; CuPy has no wrapper) and cached per (device,
+    address, shape, box), most recent 64."""
+    import ctypes
+
+    import cupy as cp
+
+    global _libcuda
+    M, K_dim = A.shape
+    key = (cp.cuda.Device().id, A.data.ptr, M, K_dim, m_tiles)
+    found = _map_cache.get(key)
+    if found is not None:
+        _map_cache.move_to_end(key)
+        return found
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    raw = ctypes.create_string_buffer(128 + 64)  # CUtensorMap: 128 bytes, 64-byte aligned
+    addr = (ctypes.addressof(raw) + 63) & ~63
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rc = _libcuda.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(addr), ctypes.c_int(1),  # CU_TENSOR_MAP_DATA_TYPE_UINT16
+        u32(2), ctypes.c_void_p(A.data.ptr),
+        (u64 * 2)(K_dim, M), (u64 * 1)(K_dim * A.dtype.itemsize),  # sizes; row stride in bytes
+        (u32 * 2)(64, 8 * m_tiles), (u32 * 2)(1, 1),  # box; element strides
+        ctypes.c_int(0), ctypes.c_int(3),  # no interleave; 128-byte swizzle
+        ctypes.c_int(2), ctypes.c_int(0))  # L2 promotion 128 B; out of bounds reads zero
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for A of shape "
+                           f"{(M, K_dim)} at {A.data.ptr:#x}")
+    found = cp.asarray(np.frombuffer(ctypes.string_at(addr, 128), dtype=np.uint8))
+    _map_cache[key] = found
+    if len(_map_cache) > _MAP_CACHE_SIZE:
+        _map_cache.popitem(last=False)
+    return found
 
 
 __all__ = [

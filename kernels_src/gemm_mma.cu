@@ -135,6 +135,25 @@ __device__ __forceinline__ unsigned fp16_scale_pair(unsigned bits) {
   return h | (h << 16);
 }
 
+// Slab staging of the wgmma path (see the kernel): from this many n8 tiles,
+// and the ring's stages for M_TILES (about 128 KB of activations, 4..8 slabs).
+// kbit_cupy/_jit.py:gemm_slab_ring mirrors both (the launch's shared memory).
+constexpr int kSlabMinTiles = 24;
+// setmaxnreg budgets of the warp-specialised launch (2 consumer warpgroups
+// and a producer: (2 * 240 + 24) * 128 registers of the SM's 65536).
+constexpr int kConsumerRegs = 240, kProducerRegs = 24;
+__host__ __device__ constexpr int gemm_slab_ring(int m_tiles) {
+  return 128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles;
+}
+
+// The last block (0..7) of a K tile whose decode reads a word of the lane's
+// 16-byte index word q: block j reads bits from 16jK - 7 on (pair_offset).
+template <int K>
+__host__ __device__ constexpr int kReloadAfter(int q) {
+  return (128 * (q + 1) + 7 + 16 * K - 1) / (16 * K) - 1 > 7 ? 7
+                                                             : (128 * (q + 1) + 7 + 16 * K - 1) / (16 * K) - 1;
+}
+
 template <typename T> struct IsHalf { static constexpr bool value = false; };
 template <> struct IsHalf<__half> { static constexpr bool value = true; };
 
@@ -169,19 +188,24 @@ constexpr int kMinCtas =
 // row_ids): the router's M expert ids; every CTA groups them itself (below).
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
           bool GROUPED = false>
-__global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale), M_TILES, RPW>) kbit_gemm_mma(
+__global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 128,
+                                  kMinCtas<K, sizeof(TScale), M_TILES, RPW>) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
     float* __restrict__ workspace, int* __restrict__ counters,
     const int* __restrict__ group_offsets, int experts, const int* __restrict__ row_ids,
-    int ids_per_row, const int* __restrict__ route_ids) {
-  static_assert(!WG || (RPW == 1 && M_TILES <= 16), "wgmma: N = 8 .. 128");
+    int ids_per_row, const int* __restrict__ route_ids, const void* __restrict__ a_map) {
+  static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
   static_assert(!GROUPED || (!WG && RPW == 1), "grouped: mma.sync, one row tile per warp");
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  // Slab staging (WG, M_TILES >= kSlabMinTiles) is warp-specialised: WG
+  // consumer warpgroups plus one producer warpgroup (the last), which only
+  // stages activations; `warps` counts the consumer warps.
+  constexpr bool kSpec = WG && M_TILES >= kSlabMinTiles;
+  const int warps = kSpec ? 4 * WG : blockDim.x / 32, warp = threadIdx.x / 32;
   // This CTA's units [u_begin, u_end) of n_groups * group_units (see the
   // header; gemm.py keeps the count below 2^31): CTA c gets q units, plus one
   // if c < rem (q, rem: kernel parameters, so they take no registers). A
@@ -203,9 +227,20 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // Grouped: the problems of expert e are problems tile_cum[e] ..
   // tile_cum[e + 1] - 1; row_start[e] is its first row of A (offsets clamped
   // to [0, M], so unchecked offsets never reach outside A or C).
-  extern __shared__ uint4 x_stage[];  // [kStages][8 * M_TILES][32] (WG: from x_stage + x_align)
-  constexpr int kStages = WG ? 3 : 2;
-  constexpr int kStageChunks = 8 * M_TILES * 32;
+  extern __shared__ uint4 x_stage[];  // [kStages][8 * M_TILES][32 or 8] (WG: from x_stage + x_align)
+  // WG with M_TILES >= kSlabMinTiles ("slab staging"): a stage is one 64-column
+  // slab (a quarter K tile), kStages of them in a ring that a producer
+  // warpgroup fills (see below): a whole K tile of 256 rows would be 128 KB a
+  // stage. Otherwise a stage is a K tile (WG: three, mma: two).
+  constexpr bool kSlab = WG && M_TILES >= kSlabMinTiles;
+  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES) : WG ? 3 : 2;
+  // The producer publishes slab s when it has issued slab s + kLag: at most
+  // kStages - 2, or it would wait for a stage that a consumer frees only
+  // after the slab it waits for.
+  constexpr int kLag = kStages - 2;
+  constexpr int kChunksPerRow = kSlab ? 8 : 32;  // 16-byte chunks of a staged row
+  constexpr int kStageChunks = 8 * M_TILES * kChunksPerRow;
+  constexpr int kSlabsPerTile = kSlab ? 4 : 1;  // stages a K tile takes
   int* tile_cum = reinterpret_cast<int*>(x_stage + kStages * kStageChunks);  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
   // route_ids: the ids (M) and the sorted order (M) follow
@@ -348,6 +383,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   int u = u_begin, grp = split_k ? (int)blockIdx.x : u_begin / group_units;
   int kt = u_begin - grp * group_units;
   int seg_kt0 = 0, seg_n = 0, seg_buf0 = 0;
+  int tiles_done = 0;  // K tiles of the segments before this one (slab staging)
   bool seg_more = false;
   int base[RPW], next_base[RPW];
 
@@ -364,8 +400,10 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // instead: unrolling costs it 204 instead of 168 registers (two CTAs per SM
   // instead of three, measured 8-10% slower at M = 32).
   using RawScale = typename ScaleWord<TScale>::Raw;
+  // Slab staging (96-128 accumulators) keeps one set and refills it 16 bytes
+  // at a time as the blocks that read them are decoded (see tile()).
   constexpr bool kCopy = M_TILES == 4 && RPW == 2;
-  constexpr int kSets = 2;
+  constexpr int kSets = kSlab ? 1 : 2;
   unsigned w_s[kSets][RPW][4 * K];
   RawScale raw_s[kSets][RPW];
   // Loads tile idx[r] (row tile * k_tiles + K tile) of each row tile.
@@ -461,21 +499,22 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
-  if constexpr (!GROUPED) {
+  if constexpr (!GROUPED && !kSpec) {
     // Every staged row is read (ldmatrix, wgmma): rows past M hold zeros (the
     // columns of C they feed are never stored, but they are not left
-    // uninitialised). Grouped launches zero-fill them in load_x.
+    // uninitialised). Grouped launches zero-fill them in load_x, the tensor
+    // copies of slab staging themselves.
     const int rows_past = 8 * M_TILES - min(M, 8 * M_TILES);
-    for (int i = threadIdx.x; i < rows_past * 32; i += blockDim.x) {
-      const int row = M + (i >> 5), c = i & 31;
+    for (int i = threadIdx.x; i < rows_past * kChunksPerRow; i += blockDim.x) {
+      const int row = M + i / kChunksPerRow, c = i % kChunksPerRow;
 #pragma unroll
       for (int buf = 0; buf < kStages; ++buf)
         x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
     }
   }
   Place cur = locate(grp), nxt = cur;  // the current segment's place, the next one's
-  if (u_begin < u_end) {
-    load_x(kt, 0, cur.row0, cur.rows);
+  if (u_begin < u_end && (!kSpec || warp < warps)) {  // (slabs: the producer's)
+    if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
     int idx[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
@@ -493,7 +532,7 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // same bits): k=2 M=1 +5..9%, k=3 +2%, k=5 +3%, mma M=16 +4.5..6%, wgmma
   // 0..2%; k=4 on the mma path at one n8 tile -2..7% (kept on the table).
   constexpr bool kAluScale =
-      sizeof(TScale) == 1 && IsHalf<T>::value && !(K == 4 && !WG && M_TILES == 1);
+      sizeof(TScale) == 1 && IsHalf<T>::value && !(K == 4 && !WG && M_TILES == 1) && !kSlab;
   __shared__ unsigned scale_pair[kAluScale ? 1 : 256];
   if constexpr (sizeof(TScale) == 1 && !kAluScale) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -535,6 +574,74 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
                          (Mma<T>::to_bits(codebook[b >> K]) << 16);
       pair_tab[i] = make_uint4(v, v, v, v);
     }
+  }
+
+  // Warp-specialised slab staging: stage `slot` holds slab s (the CTA's slabs
+  // counted from 0) for s = slot mod kStages. One producer warp loads slabs
+  // with the tensor copy engine (a_map: A as a 2-D tensor of 64 x 8 * M_TILES
+  // boxes in wgmma's 128-byte swizzle, rows past M zero-filled; 16-byte
+  // cp.async through the load units measured about 30% slower), completing on
+  // slab_bar[slot]. Hand-offs to the consumers go through named barriers (one
+  // instruction, no wait loop: ptxas keeps the wgmma pipeline across them,
+  // while an mbarrier wait loop among the wgmmas serialized them all, C7513):
+  // full(c, slot): the producer warp arrives once slab s has landed, the 128
+  // threads of consumer warpgroup c wait (one barrier per warpgroup, so the
+  // warpgroups do not wait for each other); empty(slot): every consumer
+  // thread arrives when done reading slab s (its wgmma_wait<1> a block into
+  // slab s + 1), the producer waits before it refills the stage.
+  static_assert(!kSpec || (WG + 1) * kStages <= 15, "named barriers 1 .. 15");
+  auto bar_full = [&](int c, int slot) { return 1 + c * kStages + slot; };
+  auto bar_empty = [&](int slot) { return 1 + WG * kStages + slot; };
+  constexpr int kFullCount = 32 + 128, kEmptyCount = 32 + 128 * WG;
+  __shared__ unsigned long long slab_bar[kSpec ? kStages : 1];
+  if constexpr (kSpec) {
+    if (blockDim.x != 128 * (WG + 1)) __trap();  // no producer: the consumers would wait forever
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kStages; ++i) mbar_init(slab_bar + i, 1);
+    }
+    // Publishes the barriers and the tables (block 0 decodes before any wait).
+    __syncthreads();
+    if (warp >= warps) {
+      // The producer: this CTA's units in the consumers' order, 4 slabs per
+      // K tile; slab s is issued once slab s - kStages is free, and published
+      // kLag slabs later (its copy is in flight meanwhile).
+      regs_dec<kProducerRegs>();
+      if (warp != warps) return;  // one warp of the producer warpgroup
+      if (lane == 0) tensormap_acquire(a_map);
+      const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
+      int s = 0;
+      auto publish = [&](int done) {
+        if (done < 0) return;
+        mbar_wait(slab_bar + done % kStages, (done / kStages) & 1);
+#pragma unroll
+        for (int c = 0; c < WG; ++c) named_arrive(bar_full(c, done % kStages), kFullCount);
+      };
+      int pu = u_begin, pgrp = grp, pkt = kt;
+      while (pu < u_end) {
+        const int n = min(k_tiles, pkt + (u_end - pu)) - pkt;
+        for (int i = 0; i < n; ++i) {
+          for (int sl = 0; sl < 4; ++sl, ++s) {
+            const int slot = s % kStages;
+            if (s >= kStages) named_sync(bar_empty(slot), kEmptyCount);
+            if (lane == 0) {
+              mbar_expect_tx(slab_bar + slot, kStageChunks * 16);
+              tma_load_2d(x_base + slot * (kStageChunks * 16), a_map, (pkt + i) * 256 + sl * 64, 0,
+                          slab_bar + slot);
+            }
+            publish(s - kLag);
+          }
+        }
+        pu = (pgrp + 1) * group_units;
+        ++pgrp;
+        pkt = 0;
+      }
+      for (int d = kLag; d > 0; --d) publish(s - d);  // the last slabs
+      // The consumers free slabs 0 .. s - 2; the waits above took those
+      // before s - kStages. Take the rest, so no barrier is left half done.
+      for (int r = max(s - kStages, 0); r <= s - 2; ++r) named_sync(bar_empty(r % kStages), kEmptyCount);
+      return;
+    }
+    regs_inc<kConsumerRegs>();
   }
 
   // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile
@@ -623,7 +730,8 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
   // (w_next, raw_next) meanwhile, so the pipeline runs across segments.
   auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
-    const int buf = WG ? (seg_buf0 + i) % kStages : (seg_buf0 ^ i) & 1;
+    // WG: the stage of this tile's first slab (slab staging) or of the tile
+    const int buf = WG ? (seg_buf0 + kSlabsPerTile * i) % kStages : (seg_buf0 ^ i) & 1;
     const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
     // mma: lane l gives ldmatrix the address of row 8mt + (l & 7), chunk
     // 4j + (l >> 3) of the stage (matrix l >> 3 of the x4 load): chunk
@@ -641,14 +749,17 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
     // ldmatrix reads are synchronous); wgmma, the stage of tile i - 2 (three
     // stages; every warpgroup waited for tile i - 2's multiplies at block 1 of
     // tile i - 1, wgmma_wait<1>, before arriving here).
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
-    __syncthreads();
-    if (has_next) {
-      if constexpr (GROUPED) {
-        load_x(next_kt, buf ^ 1, in_seg ? cur.row0 : nxt.row0, in_seg ? cur.rows : nxt.rows);
-      } else {
-        load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, 0, M);
+    // (Slab staging: one barrier per slab instead, in the block loop below.)
+    if constexpr (!kSlab) {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
+      __syncthreads();
+      if (has_next) {
+        if constexpr (GROUPED) {
+          load_x(next_kt, buf ^ 1, in_seg ? cur.row0 : nxt.row0, in_seg ? cur.rows : nxt.rows);
+        } else {
+          load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, 0, M);
+        }
       }
     }
     // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
@@ -668,15 +779,34 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
         }
       }
     }
-    if (has_next) {
-      int idx[RPW];
+    int idx[RPW];  // the next unit's tiles
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
+    for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
+    if constexpr (kSlab) {
+      // The scale words were shuffled out above; the index words are
+      // refilled after their last block (below).
+      if (has_next) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r)
+          raw_next[r] = __ldg(reinterpret_cast<const RawScale*>(scales) + (long long)idx[r] * 32 + lane);
+      }
+    } else if (has_next) {
       load_tile(idx, w_next, raw_next);
     }
 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+      // Slab staging: slab s = 4 (tiles_done + i) + j / 2 of the CTA. The wait
+      // for block j - 2 comes before the decode (at most block j - 1 still
+      // runs while block j decodes), so two sets of A fragments are live, not
+      // three (96-128 accumulators leave no room for a third).
+      const int slab_s = 4 * (tiles_done + i) + (j >> 1);
+      if constexpr (kSlab) {
+        wgmma_wait<1>();
+        // Second block of slab s: the first block of slab s - 1 finished
+        // here, its second before it, so slab s - 1 is read.
+        if ((j & 1) == 1 && slab_s > 0) named_arrive(bar_empty((slab_s - 1) % kStages), kEmptyCount);
+      }
       // Weights of block j: 8 per row half, decoded to T, times the block's scale.
       unsigned wp[RPW][2][4];  // [r][h][pair p]: columns (8p + 2t, +1) of row g + 8h
 #pragma unroll
@@ -725,20 +855,49 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
           a[slab][2] = wp[0][0][2 * slab + 1];
           a[slab][3] = wp[0][1][2 * slab + 1];
         }
+        if constexpr (kSpec) {
+          if ((j & 1) == 0) named_sync(bar_full(warp >> 2, slab_s % kStages), kFullCount);
+        }
         // At most block j - 1's multiply still runs: block j - 2's A registers
         // are free again, so a tile needs three sets of fragments, not eight,
-        // and block j decodes while j - 1 multiplies.
-        wgmma_wait<1>();
-        wgmma_fence(a);
+        // and block j decodes while j - 1 multiplies. (Slab staging: above.)
+        if constexpr (!kSlab) wgmma_wait<1>();
+        if constexpr (kSlab) {
+          // Slab j / 2's stage; both descriptors are fence operands (defined before it).
+          const unsigned stage_addr = x_base + (slab_s % kStages) * (kStageChunks * 16) + (j & 1) * 64;
+          unsigned long long desc[2] = {wgmma_desc_sw128(stage_addr), wgmma_desc_sw128(stage_addr + 32)};
+          wgmma_fence(a, desc);
 #pragma unroll
-        for (int slab = 0; slab < 2; ++slab) {
-          const int step = 2 * j + slab;
-          Wgmma<T, 8 * M_TILES>::run(
-              acc[0], a[slab],
-              wgmma_desc_sw128(x_base + buf * (kStageChunks * 16) +
-                               (step >> 2) * (8 * M_TILES * 128) + (step & 3) * 32));
+          for (int slab = 0; slab < 2; ++slab) Wgmma<T, 8 * M_TILES>::run(acc[0], a[slab], desc[slab]);
+        } else {
+          wgmma_fence(a);
+#pragma unroll
+          for (int slab = 0; slab < 2; ++slab) {
+            const int step = 2 * j + slab;
+            const unsigned stage_addr = x_base + buf * (kStageChunks * 16) +
+                                        (step >> 2) * (8 * M_TILES * 128) + (step & 3) * 32;
+            Wgmma<T, 8 * M_TILES>::run(acc[0], a[slab], wgmma_desc_sw128(stage_addr));
+          }
         }
         wgmma_commit();
+        if constexpr (kSlab) {
+          // One set of index words (w_next is w): uint4 q of the next tile
+          // loads once block j, the last one whose decode reads a word of
+          // uint4 q (pair_offset reads from 7 bits before a field), is done.
+#pragma unroll
+          for (int q = 0; q < K; ++q) {
+            if (j == kReloadAfter<K>(q) && has_next) {
+#pragma unroll
+              for (int r = 0; r < RPW; ++r) {
+                const uint4 v = __ldg(tiles + ((long long)idx[r] * K + q) * 32 + lane);
+                w_next[r][4 * q] = v.x;
+                w_next[r][4 * q + 1] = v.y;
+                w_next[r][4 * q + 2] = v.z;
+                w_next[r][4 * q + 3] = v.w;
+              }
+            }
+          }
+        }
       } else {
       // Activations: the B fragments of n8 tile mt, block j: ldmatrix.x4 of
       // the block's four 16-byte column chunks of rows 8mt .. 8mt+7 gives
@@ -770,8 +929,8 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
 #pragma unroll
-      for (int i = 0; i < 4 * K; ++i) w_s[0][r][i] = w_s[1][r][i];
-      raw_s[0][r] = raw_s[1][r];
+      for (int i = 0; i < 4 * K; ++i) w_s[0][r][i] = w_s[kSets - 1][r][i];
+      raw_s[0][r] = raw_s[kSets - 1][r];
     }
   };
   while (u < u_end) {  // segments
@@ -807,8 +966,9 @@ __global__ void __launch_bounds__(WG ? 128 * WG : 128, kMinCtas<K, sizeof(TScale
       fence_acc<M_TILES>(acc[0]);
     }
     finish_segment(grp, cur, seg_kt0, seg_kt0 + seg_n);
+    tiles_done += seg_n;
     if constexpr (WG) {
-      seg_buf0 = (seg_buf0 + seg_n) % kStages;
+      seg_buf0 = (seg_buf0 + kSlabsPerTile * seg_n) % kStages;
     } else {
       seg_buf0 ^= seg_n & 1;
     }

@@ -62,6 +62,22 @@ KBIT_WGMMA(__half, "f16", 128, KBIT_D64, "{%64, %65, %66, %67}, %68", KBIT_ACC32
            KBIT_ACC32(8))
 KBIT_WGMMA(__nv_bfloat16, "bf16", 128, KBIT_D64, "{%64, %65, %66, %67}, %68", KBIT_ACC32(0),
            KBIT_ACC32(8))
+// N = 192 and 256 (the slab-staged launch, M_TILES 24 and 32): 96 and 128 D registers.
+#define KBIT_D96 \
+  KBIT_D64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, " \
+           "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define KBIT_D128                                                                            \
+  KBIT_D96 ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, " \
+           "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "   \
+           "%123, %124, %125, %126, %127"
+KBIT_WGMMA(__half, "f16", 192, KBIT_D96, "{%96, %97, %98, %99}, %100", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC32(16))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 192, KBIT_D96, "{%96, %97, %98, %99}, %100", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC32(16))
+KBIT_WGMMA(__half, "f16", 256, KBIT_D128, "{%128, %129, %130, %131}, %132", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC32(16), KBIT_ACC32(24))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 256, KBIT_D128, "{%128, %129, %130, %131}, %132", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC32(16), KBIT_ACC32(24))
 #endif
 
 __device__ __forceinline__ void wgmma_fence(unsigned (&a)[2][4]) {
@@ -70,6 +86,16 @@ __device__ __forceinline__ void wgmma_fence(unsigned (&a)[2][4]) {
   asm volatile("wgmma.fence.sync.aligned;\n"
                : "+r"(a[0][0]), "+r"(a[0][1]), "+r"(a[0][2]), "+r"(a[0][3]), "+r"(a[1][0]),
                  "+r"(a[1][1]), "+r"(a[1][2]), "+r"(a[1][3])::"memory");
+#endif
+}
+// The same, with the two descriptors the block's wgmmas read: defined before
+// the fence too (ptxas serializes every wgmma, C7513, when an input register
+// is defined between the fence and the wgmma).
+__device__ __forceinline__ void wgmma_fence(unsigned (&a)[2][4], unsigned long long (&desc)[2]) {
+#if KBIT_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n"
+               : "+r"(a[0][0]), "+r"(a[0][1]), "+r"(a[0][2]), "+r"(a[0][3]), "+r"(a[1][0]),
+                 "+r"(a[1][1]), "+r"(a[1][2]), "+r"(a[1][3]), "+l"(desc[0]), "+l"(desc[1])::"memory");
 #endif
 }
 __device__ __forceinline__ void wgmma_commit() {
@@ -92,6 +118,71 @@ template <int M_TILES> __device__ __forceinline__ void fence_acc(float (&d)[M_TI
 __device__ __forceinline__ void fence_proxy_async() {
 #if KBIT_HAS_WGMMA
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// mbarriers: the producer's wait for its tensor copies (a wait loop: only
+// where no wgmma is in flight, or ptxas serializes them).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#if KBIT_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(bar)), "r"(count) : "memory");
+#endif
+}
+// Arrives and adds `bytes` to the transaction count the phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+#if KBIT_HAS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+#endif
+}
+// Waits until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if KBIT_HAS_WGMMA
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "KBIT_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra KBIT_WAIT;\n"
+      "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+#endif
+}
+// The tensor copy engine: box (x, y) of the 2-D tensor map at `map` (global
+// memory, written by the host) into shared memory at `dst`, completing on
+// `bar`. Rows and columns outside the tensor are zero-filled.
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+#if KBIT_HAS_WGMMA
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const void* map, int x, int y,
+                                            unsigned long long* bar) {
+#if KBIT_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst), "l"(map), "r"(x), "r"(y),
+      "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+#endif
+}
+// Named barriers (bar.sync / bar.arrive; id 0 is __syncthreads'): the
+// warp-specialised launch's hand-offs. `count` threads, whole warps.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// Register budget of a warpgroup (setmaxnreg: the kernel's entry cap is moved
+// between warpgroups; counts are multiples of 8).
+template <int REGS> __device__ __forceinline__ void regs_inc() {
+#if KBIT_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+#endif
+}
+template <int REGS> __device__ __forceinline__ void regs_dec() {
+#if KBIT_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
 #endif
 }
 

@@ -53,7 +53,9 @@ def test_small_sweep(kernel, dtype, k):
     for M, N, K_dim in [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 64, 288),
                         (8, 4096, 256), (1, 127, 4096),
                         (33, 8449, 256), (64, 8470, 96),  # two row tiles per warp, odd count
-                        (128, 300, 512), (129, 1000, 160)]:  # wgmma: 128 rows, two launches
+                        (128, 300, 512), (129, 1000, 160),  # wgmma: 16 n8 tiles, 24
+                        (190, 520, 288), (256, 300, 512),  # 24 and 32 (slab staging)
+                        (257, 1000, 160)]:  # wgmma: 256 rows, two launches
         run_case(M, N, K_dim, k, dtype, kernel)
 
 
@@ -136,9 +138,9 @@ def test_deterministic_with_split_k(M):
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize(
     ("kernel", "M"),
-    # one launch each: the mma kernel takes up to 64 rows, wgmma up to 128
+    # one launch each: the mma kernel takes up to 64 rows, wgmma up to 256
     [("mma", 1), ("mma", 17), ("mma", 64), ("wgmma", 1), ("wgmma", 17), ("wgmma", 64),
-     ("wgmma", 128)],
+     ("wgmma", 128), ("wgmma", 150), ("wgmma", 256)],
 )
 def test_both_work_splits(monkeypatch, kernel, split, M):
     """Forced stream-K (CTAs ending two segments, partials across group ends)
