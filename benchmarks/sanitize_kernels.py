@@ -1,6 +1,6 @@
 """Run every kernel family over a spread of shapes, for compute-sanitizer.
 
-usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py [--stream-k]
+usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py [--stream-k | --large-m]
        compute-sanitizer --tool racecheck python benchmarks/sanitize_kernels.py --quick [--stream-k]
 Checks results loosely (the GPU tests check them exactly); the point is that
 the sanitizer sees every code path: odd M, N, K_dim, split K, both scale
@@ -22,6 +22,9 @@ parser.add_argument("--no-cublas", action="store_true",
 parser.add_argument("--stream-k", action="store_true",
                     help="force the mma kernel's stream-K work split (CTAs ending two segments)")
 parser.add_argument("--only", choices=["mma", "wgmma"], help="one fused kernel (and no cuBLAS)")
+parser.add_argument("--large-m", action="store_true",
+                    help="wgmma launches of 129..256 rows only (warp-specialised, tensor copies), "
+                         "both work splits")
 args = parser.parse_args()
 args.no_cublas = args.no_cublas or bool(args.only)
 if args.stream_k:
@@ -39,6 +42,25 @@ shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288)
 if args.quick:
     shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96), (128, 700, 1024)]
 count = 0
+if args.large_m:
+    from kbit_cupy import gemm
+
+    for slack in (0.5, -10**6):  # the default choice, forced stream-K
+        gemm._STREAM_K_SLACK = slack
+        for k in (2, 3, 4, 5):
+            for fmt in ("e4m4", "fp16"):
+                for dtype in (np.float16, BFLOAT16):
+                    for M, N, K_dim in [(193, 129, 64), (256, 768, 2048), (200, 8449, 96),
+                                        (250, 1000, 2304)]:
+                        W = rng.standard_normal((N, K_dim)).astype(np.float32)
+                        w = kc.quantize_weight(W, k=k, absmax_format=fmt).to_device()
+                        A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float32)).astype(dtype)
+                        C = kc.kbit_gemm(A, w, kernel="wgmma")
+                        assert bool(cp.isfinite(C.astype(cp.float32)).all())
+                        count += 1
+    cp.cuda.Device().synchronize()
+    print(f"ran {count} cases")
+    raise SystemExit(0)
 if args.stream_k:  # the fused kernels only, on shapes whose CTAs cross group ends
     for k in (2, 3, 4, 5):
         for dtype in (np.float16, BFLOAT16):

@@ -228,6 +228,8 @@ def main(argv=None) -> int:
         p.add_argument("--kernels", nargs="+", default=["auto"], choices=list(KERNELS))
         p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
         p.add_argument("--reps", type=int, default=20)
+        p.add_argument("--bf16-baseline", action="store_true",
+                       help="also time cuBLAS bf16 (recorded as kernel cublas_bf16)")
         p.add_argument("--out", default=None, help="path prefix for .json and .md results")
         p.add_argument("--plot", action="store_true",
                        help="also write PREFIX_speedup.png and PREFIX_roofline.png (needs --out, matplotlib)")

@@ -103,7 +103,7 @@ def all_variants() -> list[Variant]:
                     for m_tiles in GEMM_M_TILES:
                         for rpw in (1, 2) if m_tiles >= 4 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, rpw)))
-                    for m_tiles in GEMM_WG_M_TILES:
+                    for m_tiles in gemm_wg_m_tiles(k, scale):
                         wgs = gemm_wg_warpgroups(m_tiles, k)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
                     for m_tiles in GEMM_GROUPED_M_TILES:  # mixture-of-experts launch
@@ -119,17 +119,34 @@ GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 
 GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations stage per slab
 
 
-def gemm_slab_ring(m_tiles: int) -> int:
+def gemm_wg_m_tiles(k: int, scale: str) -> tuple[int, ...]:
+    """The wgmma variants' n8 tiles for ``k`` and the scale dtype name: all of
+    GEMM_WG_M_TILES except 32 where its 128 accumulators spill (k = 5, and
+    k = 2 with float16 scales: 32-84 bytes); those launch 192 rows at a time."""
+    if k == 5 or (k == 2 and scale == "float16"):
+        return tuple(t for t in GEMM_WG_M_TILES if t <= 24)
+    return GEMM_WG_M_TILES
+
+
+def gemm_slab_ring(m_tiles: int, wgs: int) -> int:
     """Stages (64-column slabs) of the wgmma variant's ring for ``m_tiles``
-    when it stages by slab (gemm_mma.cu ``gemm_slab_ring``, which this mirrors)."""
-    return min(8, max(4, 128 // m_tiles))
+    and ``wgs`` consumer warpgroups when it stages by slab (gemm_mma.cu
+    ``gemm_slab_ring``, which this mirrors): about 128 KB, 4..8 slabs, at most
+    15 // (wgs + 1) (one named barrier per slab and warpgroup, one per slab)."""
+    return min(min(8, max(4, 128 // m_tiles)), 15 // (wgs + 1))
 
 
-def gemm_wg_shared_bytes(m_tiles: int, itemsize: int) -> int:
+def gemm_wg_threads(m_tiles: int, wgs: int) -> int:
+    """Threads of a wgmma launch: the consumer warpgroups, plus a producer
+    warpgroup where it stages by slab."""
+    return 128 * wgs + (128 if m_tiles >= GEMM_SLAB_MIN_M_TILES else 0)
+
+
+def gemm_wg_shared_bytes(m_tiles: int, wgs: int, itemsize: int) -> int:
     """Dynamic shared memory of a wgmma launch: its activation stages plus
     1 KB for the run-time alignment to the 1024-byte swizzle atom."""
     if m_tiles >= GEMM_SLAB_MIN_M_TILES:
-        return gemm_slab_ring(m_tiles) * 8 * m_tiles * 64 * itemsize + 1024
+        return gemm_slab_ring(m_tiles, wgs) * 8 * m_tiles * 64 * itemsize + 1024
     return 3 * 8 * m_tiles * 256 * itemsize + 1024
 
 
@@ -345,8 +362,31 @@ def compile_check(archs: list[str], variants: list[Variant] | None = None) -> li
                 if st is None:
                     results.append(CompileResult(v, arch, False, log="no ptxas report for kernel"))
                     continue
+                problems = _variant_problems(v, st, log, lowered.get(v.name, ""))
                 results.append(
-                    CompileResult(v, arch, st["spill"] == 0, st["registers"], st["spill"],
-                                  st["stack"], st["smem"], log="")
+                    CompileResult(v, arch, not problems, st["registers"], st["spill"],
+                                  st["stack"], st["smem"], log="; ".join(problems))
                 )
     return results
+
+
+def _variant_problems(v: Variant, st: dict, log: str, mangled: str) -> list[str]:
+    """What fails a compiled variant: spills; ptxas serializing its wgmma
+    (C751x performance warnings, which name the function); for the
+    warp-specialised wgmma variants a register count other than the entry cap
+    that gemm_mma.cu's setmaxnreg budgets assume (else setmaxnreg.inc would
+    wait forever on the GPU)."""
+    problems = []
+    if st["spill"]:
+        problems.append(f"{st['spill']} bytes spilled")
+    serial = [line for line in log.splitlines() if "C751" in line and mangled and mangled in line]
+    if serial:
+        problems.append("wgmma serialized: " + serial[0].split(")", 1)[-1].strip()[:160])
+    if v.family == "gemm_mma" and len(v.args) >= 6 and v.args[5] > 0:
+        threads = gemm_wg_threads(v.args[3], v.args[5])
+        if threads > 128 * v.args[5]:  # a producer warpgroup: setmaxnreg
+            cap = 65536 // threads // 8 * 8
+            if st["registers"] != cap:
+                problems.append(f"{st['registers']} registers, not the entry cap {cap} "
+                                "the setmaxnreg budgets assume")
+    return problems

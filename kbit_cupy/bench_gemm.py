@@ -1,10 +1,10 @@
 """kbit_gemm against cuBLAS fp16 with the TARGETS.md method, one process and run.
 
 ``python -m kbit_cupy bench-gemm [--shapes KxN ...] [--m 1 16 ...] [--k 2 3 4 5]
-[--kernels auto mma dequant] [--dtype float16] [--out PREFIX]``: for each layer
+[--kernels auto mma dequant] [--dtype float16] [--bf16-baseline] [--out PREFIX]``: for each layer
 (K_dim x N, as TARGETS.md writes them) and M, times cuBLAS ``A @ W.T`` (fp16)
 and kbit_gemm for each k and kernel in one interleaved ``bench.time_ops`` call,
-and reports the ratio, the bandwidth on our bytes (weights + scales +
+(with ``--bf16-baseline`` cuBLAS bf16 too, as ``kernel="cublas_bf16"``) and reports the ratio, the bandwidth on our bytes (weights + scales +
 activations + output) as a share of the copy bandwidth measured in the same run,
 and TFLOP/s.
 """
@@ -49,6 +49,8 @@ def run(args) -> int:
                            ).astype(dtype)
             outs = cp.empty((M, N), dtype)
             ops = {"cublas_fp16": base}
+            if getattr(args, "bf16_baseline", False):  # the tensor-core rate of bf16 as well
+                ops["cublas_bf16"] = bench.cublas_fp16_matmul_op(M, N, K_dim, "bfloat16")[0]
             for k, w in weights.items():
                 for kern in args.kernels:
                     ops[f"k{k}_{kern}"] = (lambda w=w, kern=kern, A=A, outs=outs: kbit_gemm(A, w, out=outs, kernel=kern))
@@ -56,8 +58,9 @@ def run(args) -> int:
             t_base = times["cublas_fp16"]["median_us"]
             for name, r in times.items():
                 t = r["median_us"]
-                if name == "cublas_fp16":
-                    k, kern, nbytes = 16, "cublas", binfo["bytes"]
+                if name in ("cublas_fp16", "cublas_bf16"):
+                    k, nbytes = 16, binfo["bytes"]
+                    kern = "cublas" if name == "cublas_fp16" else "cublas_bf16"
                 else:
                     k = int(name[1])
                     kern = name.split("_", 1)[1]

@@ -31,7 +31,7 @@ BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
 KERNELS = ("auto", "mma", "wgmma", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
-_WG_MAX_M = 8 * max(_jit.GEMM_WG_M_TILES)  # rows of A per wgmma launch
+_WG_MAX_M = 8 * max(_jit.GEMM_WG_M_TILES)  # rows of A per wgmma launch (at most; gemm_wg_m_tiles)
 _WARPS = 4  # per gemm_mma CTA
 _WG_WARPGROUPS = None  # override of _jit.gemm_wg_warpgroups (for A/B runs)
 _CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
@@ -348,7 +348,10 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         return C
     weight.prepare()
     wg = choice == "wgmma"
-    step = _WG_MAX_M if wg else _MMA_MAX_M
+    if wg:
+        step = min(_WG_MAX_M, 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)))
+    else:
+        step = _MMA_MAX_M
     for m0 in range(0, M, step):
         m1 = min(M, m0 + step)
         _launch_mma(A2[m0:m1], weight, C2[m0:m1], wg)
@@ -510,7 +513,8 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
-        m_tiles = next(t for t in _jit.GEMM_WG_M_TILES if 8 * t >= M)
+        m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)
+                       if 8 * t >= M)
         wgs = _WG_WARPGROUPS or _jit.gemm_wg_warpgroups(m_tiles, weight.k)
         per_warp, warps = 1, 4 * wgs
         kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
@@ -527,12 +531,12 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
     # swizzle) by the kernel
     if wg:
-        shared = _jit.gemm_wg_shared_bytes(m_tiles, A.dtype.itemsize)
+        shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, A.dtype.itemsize)
     else:
         shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps
-    threads = warps * 32 + (128 if wg and m_tiles >= _jit.GEMM_SLAB_MIN_M_TILES else 0)
+    threads = _jit.gemm_wg_threads(m_tiles, wgs) if wg else warps * 32
     per_sm = launch_ctas_per_sm(kern, threads, shared)
     # Work split (gemm_mma.cu, "Work split"): units of (group, K tile), one
     # contiguous range per CTA, at most as many CTAs as are resident at once.

@@ -50,10 +50,14 @@
 // the decoded weights are operand A in registers (each warp's 16-row tile in
 // the m16n8k16 A-fragment order, which is wgmma's per-warp order too), the
 // activations operand B read by the tensor cores from shared memory in k
-// order, and the batch M is wgmma's N (8 * M_TILES = 8 .. 128 per launch). A
+// order, and the batch M is wgmma's N (8 * M_TILES = 8 .. 256 per launch). A
 // CTA is WG warpgroups (4 WG warps, one row tile each) sharing the staged
 // activations. wgmma is asynchronous: block j's multiply runs while block
-// j + 1 decodes.
+// j + 1 decodes. From 24 n8 tiles (192 and 256 rows: 96 or 128 accumulators
+// per thread, two warpgroups) the launch is warp-specialised ("slab
+// staging"): a producer warp loads 64-column slabs of A with the tensor copy
+// engine into a ring of stages and hands them over through named barriers,
+// and setmaxnreg moves the producer warpgroup's registers to the consumers.
 //
 // Grouped launch (template argument GROUPED, mma.sync only): one launch
 // multiplies many experts of one shape, each by its own rows of A
@@ -135,16 +139,28 @@ __device__ __forceinline__ unsigned fp16_scale_pair(unsigned bits) {
   return h | (h << 16);
 }
 
-// Slab staging of the wgmma path (see the kernel): from this many n8 tiles,
-// and the ring's stages for M_TILES (about 128 KB of activations, 4..8 slabs).
-// kbit_cupy/_jit.py:gemm_slab_ring mirrors both (the launch's shared memory).
+// Slab staging of the wgmma path (see the kernel): from this many n8 tiles.
+// The ring's stages for M_TILES and WG warpgroups: about 128 KB of
+// activations, 4..8 slabs, at most 15 / (WG + 1) (its named barriers).
+// kbit_cupy/_jit.py mirrors both (the launch's threads and shared memory).
 constexpr int kSlabMinTiles = 24;
-// setmaxnreg budgets of the warp-specialised launch (2 consumer warpgroups
-// and a producer: (2 * 240 + 24) * 128 registers of the SM's 65536).
-constexpr int kConsumerRegs = 240, kProducerRegs = 24;
-__host__ __device__ constexpr int gemm_slab_ring(int m_tiles) {
-  return 128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles;
+__host__ __device__ constexpr int gemm_slab_ring(int m_tiles, int wg) {
+  return (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles) < 15 / (wg + 1)
+             ? (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles)
+             : 15 / (wg + 1);
 }
+// setmaxnreg budgets of the warp-specialised launch. ptxas gives the kernel
+// its entry cap, 65536 / threads rounded down to 8 (launch bounds with one
+// CTA per SM), and setmaxnreg only moves registers within the CTA's
+// allocation, so WG consumers and the producer must fit in (WG + 1) x the
+// cap: the producer keeps 24 or a little more, the consumers the rest (two:
+// 240 + 24 of 168 x 3; three: 160 + 32 of 128 x 4). More would make
+// setmaxnreg.inc wait forever.
+template <int WG> constexpr int kEntryRegs = 65536 / (128 * (WG + 1)) / 8 * 8;
+template <int WG> constexpr int kConsumerRegs = (kEntryRegs<WG> * (WG + 1) - 24) / WG / 8 * 8;
+template <int WG> constexpr int kProducerRegs = kEntryRegs<WG> * (WG + 1) - WG * kConsumerRegs<WG>;
+static_assert(kConsumerRegs<2> == 240 && kProducerRegs<2> == 24, "two consumer warpgroups");
+static_assert(kConsumerRegs<3> == 160 && kProducerRegs<3> == 32, "three consumer warpgroups");
 
 // The last block (0..7) of a K tile whose decode reads a word of the lane's
 // 16-byte index word q: block j reads bits from 16jK - 7 on (pair_offset).
@@ -201,11 +217,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
-  // Slab staging (WG, M_TILES >= kSlabMinTiles) is warp-specialised: WG
-  // consumer warpgroups plus one producer warpgroup (the last), which only
-  // stages activations; `warps` counts the consumer warps.
-  constexpr bool kSpec = WG && M_TILES >= kSlabMinTiles;
-  const int warps = kSpec ? 4 * WG : blockDim.x / 32, warp = threadIdx.x / 32;
+  // Slab staging (WG, M_TILES >= kSlabMinTiles; see below) is warp-
+  // specialised: WG consumer warpgroups plus one producer warpgroup (the
+  // last), whose first warp only stages activations; `warps` counts the
+  // consumer warps.
+  constexpr bool kSlab = WG && M_TILES >= kSlabMinTiles;
+  const int warps = kSlab ? 4 * WG : blockDim.x / 32, warp = threadIdx.x / 32;
   // This CTA's units [u_begin, u_end) of n_groups * group_units (see the
   // header; gemm.py keeps the count below 2^31): CTA c gets q units, plus one
   // if c < rem (q, rem: kernel parameters, so they take no registers). A
@@ -230,10 +247,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   extern __shared__ uint4 x_stage[];  // [kStages][8 * M_TILES][32 or 8] (WG: from x_stage + x_align)
   // WG with M_TILES >= kSlabMinTiles ("slab staging"): a stage is one 64-column
   // slab (a quarter K tile), kStages of them in a ring that a producer
-  // warpgroup fills (see below): a whole K tile of 256 rows would be 128 KB a
+  // warp fills (see below): a whole K tile of 256 rows would be 128 KB a
   // stage. Otherwise a stage is a K tile (WG: three, mma: two).
-  constexpr bool kSlab = WG && M_TILES >= kSlabMinTiles;
-  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES) : WG ? 3 : 2;
+  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? 3 : 2;
   // The producer publishes slab s when it has issued slab s + kLag: at most
   // kStages - 2, or it would wait for a stage that a consumer frees only
   // after the slab it waits for.
@@ -499,7 +515,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
-  if constexpr (!GROUPED && !kSpec) {
+  if constexpr (!GROUPED && !kSlab) {
     // Every staged row is read (ldmatrix, wgmma): rows past M hold zeros (the
     // columns of C they feed are never stored, but they are not left
     // uninitialised). Grouped launches zero-fill them in load_x, the tensor
@@ -513,7 +529,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     }
   }
   Place cur = locate(grp), nxt = cur;  // the current segment's place, the next one's
-  if (u_begin < u_end && (!kSpec || warp < warps)) {  // (slabs: the producer's)
+  if (u_begin < u_end && (!kSlab || warp < warps)) {  // (slabs: the producer's)
     if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
     int idx[RPW];
 #pragma unroll
@@ -532,7 +548,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // same bits): k=2 M=1 +5..9%, k=3 +2%, k=5 +3%, mma M=16 +4.5..6%, wgmma
   // 0..2%; k=4 on the mma path at one n8 tile -2..7% (kept on the table).
   constexpr bool kAluScale =
-      sizeof(TScale) == 1 && IsHalf<T>::value && !(K == 4 && !WG && M_TILES == 1) && !kSlab;
+      sizeof(TScale) == 1 && IsHalf<T>::value && !(K == 4 && !WG && M_TILES == 1) &&
+      !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
   __shared__ unsigned scale_pair[kAluScale ? 1 : 256];
   if constexpr (sizeof(TScale) == 1 && !kAluScale) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -589,12 +606,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // warpgroups do not wait for each other); empty(slot): every consumer
   // thread arrives when done reading slab s (its wgmma_wait<1> a block into
   // slab s + 1), the producer waits before it refills the stage.
-  static_assert(!kSpec || (WG + 1) * kStages <= 15, "named barriers 1 .. 15");
+  static_assert(!kSlab || (WG + 1) * kStages <= 15, "named barriers 1 .. 15");
   auto bar_full = [&](int c, int slot) { return 1 + c * kStages + slot; };
   auto bar_empty = [&](int slot) { return 1 + WG * kStages + slot; };
   constexpr int kFullCount = 32 + 128, kEmptyCount = 32 + 128 * WG;
-  __shared__ unsigned long long slab_bar[kSpec ? kStages : 1];
-  if constexpr (kSpec) {
+  __shared__ unsigned long long slab_bar[kSlab ? kStages : 1];
+  if constexpr (kSlab) {
     if (blockDim.x != 128 * (WG + 1)) __trap();  // no producer: the consumers would wait forever
     if (threadIdx.x == 0) {
       for (int i = 0; i < kStages; ++i) mbar_init(slab_bar + i, 1);
@@ -605,7 +622,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       // The producer: this CTA's units in the consumers' order, 4 slabs per
       // K tile; slab s is issued once slab s - kStages is free, and published
       // kLag slabs later (its copy is in flight meanwhile).
-      regs_dec<kProducerRegs>();
+      regs_dec<kProducerRegs<WG>>();
       if (warp != warps) return;  // one warp of the producer warpgroup
       if (lane == 0) tensormap_acquire(a_map);
       const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
@@ -641,7 +658,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       for (int r = max(s - kStages, 0); r <= s - 2; ++r) named_sync(bar_empty(r % kStages), kEmptyCount);
       return;
     }
-    regs_inc<kConsumerRegs>();
+    regs_inc<kConsumerRegs<WG>>();
   }
 
   // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile
@@ -749,7 +766,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // ldmatrix reads are synchronous); wgmma, the stage of tile i - 2 (three
     // stages; every warpgroup waited for tile i - 2's multiplies at block 1 of
     // tile i - 1, wgmma_wait<1>, before arriving here).
-    // (Slab staging: one barrier per slab instead, in the block loop below.)
+    // (Slab staging: the producer warp's named barriers, per slab, below.)
     if constexpr (!kSlab) {
       asm volatile("cp.async.wait_group 0;\n" ::);
       if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
@@ -780,9 +797,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       }
     }
     int idx[RPW];  // the next unit's tiles
+    if constexpr (kSlab) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
-    if constexpr (kSlab) {
       // The scale words were shuffled out above; the index words are
       // refilled after their last block (below).
       if (has_next) {
@@ -791,6 +808,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           raw_next[r] = __ldg(reinterpret_cast<const RawScale*>(scales) + (long long)idx[r] * 32 + lane);
       }
     } else if (has_next) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
       load_tile(idx, w_next, raw_next);
     }
 
@@ -855,7 +874,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           a[slab][2] = wp[0][0][2 * slab + 1];
           a[slab][3] = wp[0][1][2 * slab + 1];
         }
-        if constexpr (kSpec) {
+        if constexpr (kSlab) {
           if ((j & 1) == 0) named_sync(bar_full(warp >> 2, slab_s % kStages), kFullCount);
         }
         // At most block j - 1's multiply still runs: block j - 2's A registers

@@ -20,9 +20,19 @@ def _nvrtc_available() -> bool:
 def test_every_variant_compiles_without_spills(arch):
     results = _jit.compile_check([arch])
     assert len(results) == len(_jit.variants_for(arch))
+    # not ok: spills, wgmma serialized by ptxas, or a warp-specialised variant
+    # whose registers are not the entry cap its setmaxnreg budgets assume
     failed = [(r.variant.name, r.spill_bytes, r.log[-2000:]) for r in results if not r.ok]
     assert not failed, failed
     assert all(r.registers > 0 for r in results)
+    if arch == "sm_90a":
+        # every wgmma launch's static + dynamic shared memory fits a CTA (227 KB on sm_90)
+        for r in results:
+            args = r.variant.args
+            if r.variant.family == "gemm_mma" and len(args) >= 6 and args[5] > 0:
+                itemsize = 2
+                dynamic = _jit.gemm_wg_shared_bytes(args[3], args[5], itemsize)
+                assert r.smem_bytes + dynamic <= 227 * 1024, (r.variant.name, r.smem_bytes, dynamic)
 
 
 def test_kernel_names_are_spelled_one_way():
@@ -59,3 +69,20 @@ def test_compiled_variant_index(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "variants compiled into the cache: 2: quantize 1 (sm_80), gemm_mma 1 (sm_90)" in out
     assert "sm_90  kbit::kbit_gemm_mma<4, __half, unsigned char, 1, 1>" in out
+
+
+def test_setmaxnreg_budgets_fit_the_entry_allocation():
+    # gemm_mma.cu's kConsumerRegs / kProducerRegs: setmaxnreg moves registers
+    # within the CTA's allocation (threads x entry cap); asking for more hangs.
+    for k in (2, 3, 4, 5):
+        for m_tiles in _jit.gemm_wg_m_tiles(k, "uint8"):
+            wgs = _jit.gemm_wg_warpgroups(m_tiles, k)
+            threads = _jit.gemm_wg_threads(m_tiles, wgs)
+            if threads == 128 * wgs:
+                continue
+            cap = 65536 // threads // 8 * 8
+            consumer = (cap * (wgs + 1) - 24) // wgs // 8 * 8
+            producer = cap * (wgs + 1) - wgs * consumer
+            assert 24 <= producer <= 256 and producer % 8 == 0
+            assert wgs * consumer + producer <= cap * (wgs + 1)
+            assert consumer >= 232, (m_tiles, wgs, consumer)  # 128 accumulators plus decode
