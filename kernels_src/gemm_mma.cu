@@ -806,6 +806,17 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
         for (int r = 0; r < RPW; ++r)
           raw_next[r] = __ldg(reinterpret_cast<const RawScale*>(scales) + (long long)idx[r] * 32 + lane);
+        // The next tile's index words into L2 now; each 16-byte word loads
+        // into registers only after its last block here (below), 5-6 blocks
+        // before its use. Measured on the H100 at 3428573 (k=4 fp16, in one
+        // process): M=192..1024 +3.4..5.6%; the tile after next as well: no
+        // better; the same on the 8..16-tile path, which loads a whole tile
+        // ahead into a second register set: 1-4% slower.
+#pragma unroll
+        for (int r = 0; r < RPW; ++r)
+#pragma unroll
+          for (int q = 0; q < K; ++q)
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + ((long long)idx[r] * K + q) * 32 + lane));
       }
     } else if (has_next) {
 #pragma unroll
