@@ -48,11 +48,11 @@ if args.large_m:
     for slack in (0.5, -10**6):  # the default choice, forced stream-K
         gemm._STREAM_K_SLACK = slack
         quick = args.quick  # racecheck: k=4, fp16, E4M4, two shapes
+        large_m_shapes = [(193, 129, 64), (256, 768, 2048), (200, 8449, 96), (250, 1000, 2304)]
         for k in (4,) if quick else (2, 3, 4, 5):
             for fmt in ("e4m4",) if quick else ("e4m4", "fp16"):
                 for dtype in (np.float16,) if quick else (np.float16, BFLOAT16):
-                    for M, N, K_dim in [(193, 129, 64), (256, 768, 2048), (200, 8449, 96),
-                                        (250, 1000, 2304)][1::2 if quick else 1]:
+                    for M, N, K_dim in large_m_shapes[1::2] if quick else large_m_shapes:
                         W = rng.standard_normal((N, K_dim)).astype(np.float32)
                         w = kc.quantize_weight(W, k=k, absmax_format=fmt).to_device()
                         A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float32)).astype(dtype)

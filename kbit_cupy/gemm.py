@@ -391,24 +391,23 @@ _WIDE_N = 16384
 _WIDEST_N = 16384
 _LONGEST_K = 16384
 # sm_90 (wgmma): mma, then wgmma, then dequantize + cuBLAS. From the
-# 873633d sweep (benchmarks/results/gemm_sweep_h100_873633d_*.json: 7 layers,
+# e2b299f sweep (benchmarks/results/gemm_sweep_h100_e2b299f_*.json: 7 layers,
 # M 1..4096, k 2..5, fp16 and bf16; mma and the wgmma path up to 128 rows are
 # the kernels of 09ff1ea, whose sweep the small-M bounds come from): on the
 # large layers mma up to M = 16 (fp16: the ALU scale decode made mma 5-8%
 # faster than wgmma at M = 16, k = 4; bf16 up to 8 at k = 2 and 4), wgmma to
-# 512 (the warp-specialised 192- and 256-row launches), at k = 3 and 4 to
-# 1024 on layers of >= 2^27 weights (8192x57344, 28672x8192: 0.84-0.91x the
-# dequantize time there), at k = 5 only to 256 below 2^27 weights (its
-# shuffle decode); dequantize + cuBLAS beyond (0.92x cuBLAS at M = 4096). On
-# 4096x6144 mma to 64, wgmma to 256; on 2048x768 and 768x2048 wgmma never
-# wins. (k = 5 there: mma to 32.)
+# 512 (the warp-specialised 192- and 256-row launches), at k = 2..4 to 1024
+# on layers of >= 2^27 weights (8192x57344, 28672x8192), at k = 5 only to
+# 256 below 2^27 weights (its shuffle decode); dequantize + cuBLAS beyond
+# (0.92x cuBLAS at M = 4096). On 4096x6144 mma to 64 (k = 5: 32), wgmma to
+# 256; on 2048x768 and 768x2048 wgmma never wins.
 _AUTO_MMA_MAX_M_SM90_LARGE = 16  # fp16, and bf16 at k = 3, 5
 _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K = 8  # bf16 at k = 2, 4
 _AUTO_MMA_MAX_M_SM90_MID = 64
 _AUTO_MMA_MAX_M_SM90_MID_K5 = 32
 _AUTO_WG_MAX_M_LARGE = 512
 _AUTO_WG_MAX_M_LARGE_K5 = 256  # k = 5 below _HUGE_WEIGHTS
-_AUTO_WG_MAX_M_HUGE = 1024  # k = 3, 4 from _HUGE_WEIGHTS
+_AUTO_WG_MAX_M_HUGE = 1024  # k = 2..4 from _HUGE_WEIGHTS
 _HUGE_WEIGHTS = 1 << 27
 _AUTO_WG_MAX_M_MID = 256
 
@@ -426,7 +425,7 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
             even = k in (2, 4) and not _is_fp16(dtype)
             mma_max = _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K if even else _AUTO_MMA_MAX_M_SM90_LARGE
             wg_max = _AUTO_WG_MAX_M_LARGE
-            if N * K_dim >= _HUGE_WEIGHTS and k in (3, 4):
+            if N * K_dim >= _HUGE_WEIGHTS and k != 5:
                 wg_max = _AUTO_WG_MAX_M_HUGE
             elif N * K_dim < _HUGE_WEIGHTS and k == 5:
                 wg_max = _AUTO_WG_MAX_M_LARGE_K5

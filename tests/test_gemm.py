@@ -129,8 +129,8 @@ def test_auto_dispatch_against_the_committed_sweep(wgmma):
     from kbit_cupy.gemm import choose_kernel
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    # the sweep of HEAD's kernels (873633d: the table's last derivation)
-    paths = sorted(results.glob("gemm_sweep_h100_873633d_*.json"))
+    # the sweep of HEAD's kernels (e2b299f: the table's last derivation)
+    paths = sorted(results.glob("gemm_sweep_h100_e2b299f_*.json"))
     assert len(paths) == 2
     kernels = ("mma", "wgmma", "dequant") if wgmma else ("mma", "dequant")
     worst = {True: 1.0, False: 1.0}  # layers with >= 2^24 weights / the small ones
