@@ -350,6 +350,8 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     wg = choice == "wgmma"
     if wg:
         step = min(_WG_MAX_M, 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)))
+        if not _tensor_maps_available():  # the 129..256-row launches load A through a tensor map
+            step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
     else:
         step = _MMA_MAX_M
     for m0 in range(0, M, step):
@@ -576,6 +578,31 @@ _MAP_CACHE_SIZE = 64
 _libcuda = None
 
 
+def _libcuda_encoder():
+    """``cuTensorMapEncodeTiled`` from the CUDA driver library, or None where
+    it cannot be loaded (no driver, or one older than CUDA 12)."""
+    import ctypes
+
+    global _libcuda
+    if _libcuda is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuTensorMapEncodeTiled
+        except (OSError, AttributeError):
+            _libcuda = False
+        else:
+            fn.restype = ctypes.c_int
+            _libcuda = fn
+    return _libcuda or None
+
+
+def _tensor_maps_available() -> bool:
+    """Whether the wgmma kernel's warp-specialised launches (129..256 rows,
+    gemm_mma.cu slab staging) can get their tensor map; without it kbit_gemm
+    launches at most 128 rows at a time (the 1..16-tile path)."""
+    return _libcuda_encoder() is not None
+
+
 def _activation_map(A, m_tiles: int):
     """Device copy of a CUDA tensor map of A ``[M, K_dim]`` (16-bit elements)
     in boxes of 64 columns x ``8 * m_tiles`` rows, 128-byte swizzle, elements
@@ -587,20 +614,20 @@ def _activation_map(A, m_tiles: int):
 
     import cupy as cp
 
-    global _libcuda
     M, K_dim = A.shape
     key = (cp.cuda.Device().id, A.data.ptr, M, K_dim, m_tiles)
     found = _map_cache.get(key)
     if found is not None:
         _map_cache.move_to_end(key)
         return found
-    if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
-        _libcuda.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    encode = _libcuda_encoder()
+    if encode is None:
+        raise RuntimeError("the CUDA driver library (libcuda.so.1, CUDA 12+) is needed for "
+                           "wgmma launches of more than 128 rows")
     raw = ctypes.create_string_buffer(128 + 64)  # CUtensorMap: 128 bytes, 64-byte aligned
     addr = (ctypes.addressof(raw) + 63) & ~63
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rc = _libcuda.cuTensorMapEncodeTiled(
+    rc = encode(
         ctypes.c_void_p(addr), ctypes.c_int(1),  # CU_TENSOR_MAP_DATA_TYPE_UINT16
         u32(2), ctypes.c_void_p(A.data.ptr),
         (u64 * 2)(K_dim, M), (u64 * 1)(K_dim * A.dtype.itemsize),  # sizes; row stride in bytes

@@ -208,3 +208,22 @@ def test_work_split_covers_every_tile_once(groups, k_tiles, slots):
         g_begin = grp * group_units
         cs = list(range(cta_of(g_begin), cta_of(g_begin + k_tiles - 1) + 1))
         assert sorted(parts) == [(c, 2 * c + (1 if range_start(c) < g_begin else 0)) for c in cs]
+
+
+def test_tensor_map_encoder_is_optional(monkeypatch):
+    # The wgmma kernel's 129..256-row launches need cuTensorMapEncodeTiled from
+    # libcuda; where it cannot be loaded kbit_gemm falls back to 128-row
+    # launches instead of failing (no GPU here: the loader itself is checked).
+    import ctypes
+
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "_libcuda", None)
+
+    def missing(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert gemm._libcuda_encoder() is None
+    assert gemm._tensor_maps_available() is False
+    monkeypatch.setattr(gemm, "_libcuda", None)  # the next call loads again

@@ -202,3 +202,17 @@ def test_errors_on_gpu():
         kbit_gemm(np.ones((2, 64), np.float16), w)
     with pytest.raises(ValueError, match="contiguous"):
         kbit_gemm(cp.ones((2, 64), cp.float16), w, out=cp.empty((4, 2), cp.float16).T)
+
+
+def test_wgmma_without_tensor_maps_falls_back_to_128_row_launches(monkeypatch):
+    """Where libcuda's tensor-map encoder is missing, M > 128 runs as 128-row
+    launches (the 1..16-tile path), with the same contract."""
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "_tensor_maps_available", lambda: False)
+    calls = []
+    real = gemm._launch_mma
+    monkeypatch.setattr(gemm, "_launch_mma",
+                        lambda A, w, C, wg=False: (calls.append(A.shape[0]), real(A, w, C, wg)))
+    run_case(200, 300, 512, 4, np.float16, "wgmma")
+    assert calls == [128, 72]
