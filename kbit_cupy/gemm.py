@@ -350,7 +350,9 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     wg = choice == "wgmma"
     if wg:
         step = min(_WG_MAX_M, 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)))
-        if not _tensor_maps_available():  # the 129..256-row launches load A through a tensor map
+        # the 129..256-row launches load A through a tensor map, and their
+        # setmaxnreg budgets need the register count ptxas gave at build time
+        if not (_tensor_maps_available() and _slab_launch_ok(weight, A.dtype.name)):
             step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
     else:
         step = _MMA_MAX_M
@@ -519,7 +521,7 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, i
 
 def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     """One launch of gemm_mma.cu for up to 64 rows of A (wg: the wgmma path,
-    up to 128 rows)."""
+    up to 256 rows; 129..256 warp-specialised, which needs a tensor map of A)."""
     import cupy as cp
 
     M = A.shape[0]
@@ -594,6 +596,33 @@ def _libcuda_encoder():
             fn.restype = ctypes.c_int
             _libcuda = fn
     return _libcuda or None
+
+
+_slab_ok_cache: dict[tuple, bool] = {}
+
+
+def _slab_launch_ok(weight: "KbitWeight", dtype_name: str) -> bool:
+    """Whether the warp-specialised wgmma variants this weight would use got
+    exactly the entry register cap their setmaxnreg budgets assume
+    (gemm_mma.cu kConsumerRegs; the offline compile check asserts it for the
+    NVRTC it runs, this for the one compiling here): with any other count
+    setmaxnreg.inc would wait forever, so kbit_gemm then launches 128 rows."""
+    import cupy as cp
+
+    scale = weight.absmax.dtype.name
+    key = (cp.cuda.Device().id, weight.k, dtype_name, scale)
+    found = _slab_ok_cache.get(key)
+    if found is None:
+        found = True
+        for m_tiles in _jit.gemm_wg_m_tiles(weight.k, scale):
+            if m_tiles < _jit.GEMM_SLAB_MIN_M_TILES:
+                continue
+            wgs = _jit.gemm_wg_warpgroups(m_tiles, weight.k)
+            kern = _jit.get_kernel("gemm_mma", weight.k, dtype_name, scale, m_tiles, 1, wgs)
+            cap = 65536 // _jit.gemm_wg_threads(m_tiles, wgs) // 8 * 8
+            found = found and kern.num_regs == cap
+        _slab_ok_cache[key] = found
+    return found
 
 
 def _tensor_maps_available() -> bool:

@@ -607,6 +607,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // thread arrives when done reading slab s (its wgmma_wait<1> a block into
   // slab s + 1), the producer waits before it refills the stage.
   static_assert(!kSlab || (WG + 1) * kStages <= 15, "named barriers 1 .. 15");
+  static_assert(!kSlab || WG >= 2, "slab staging: setmaxnreg budgets for two or more consumer warpgroups");
   auto bar_full = [&](int c, int slot) { return 1 + c * kStages + slot; };
   auto bar_empty = [&](int slot) { return 1 + WG * kStages + slot; };
   constexpr int kFullCount = 32 + 128, kEmptyCount = 32 + 128 * WG;
@@ -615,6 +616,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     if (blockDim.x != 128 * (WG + 1)) __trap();  // no producer: the consumers would wait forever
     if (threadIdx.x == 0) {
       for (int i = 0; i < kStages; ++i) mbar_init(slab_bar + i, 1);
+      fence_proxy_async();  // the initialised barriers, visible to the tensor copies
     }
     // Publishes the barriers and the tables (block 0 decodes before any wait).
     __syncthreads();
@@ -799,7 +801,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     int idx[RPW];  // the next unit's tiles
     if constexpr (kSlab) {
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
+      for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
       // The scale words were shuffled out above; the index words are
       // refilled after their last block (below).
       if (has_next) {
