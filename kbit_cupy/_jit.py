@@ -142,6 +142,13 @@ def gemm_wg_threads(m_tiles: int, wgs: int) -> int:
     return 128 * wgs + (128 if m_tiles >= GEMM_SLAB_MIN_M_TILES else 0)
 
 
+def gemm_wg_entry_regs(m_tiles: int, wgs: int) -> int:
+    """Registers per thread ptxas must give a warp-specialised wgmma variant:
+    its launch-bound cap, 65536 / threads rounded down to 8, the allocation
+    gemm_mma.cu's setmaxnreg budgets (kEntryRegs) move registers within."""
+    return 65536 // gemm_wg_threads(m_tiles, wgs) // 8 * 8
+
+
 def gemm_wg_shared_bytes(m_tiles: int, wgs: int, itemsize: int) -> int:
     """Dynamic shared memory of a wgmma launch: its activation stages plus
     1 KB for the run-time alignment to the 1024-byte swizzle atom."""
@@ -385,7 +392,7 @@ def _variant_problems(v: Variant, st: dict, log: str, mangled: str) -> list[str]
     if v.family == "gemm_mma" and len(v.args) >= 6 and v.args[5] > 0:
         threads = gemm_wg_threads(v.args[3], v.args[5])
         if threads > 128 * v.args[5]:  # a producer warpgroup: setmaxnreg
-            cap = 65536 // threads // 8 * 8
+            cap = gemm_wg_entry_regs(v.args[3], v.args[5])
             if st["registers"] != cap:
                 problems.append(f"{st['registers']} registers, not the entry cap {cap} "
                                 "the setmaxnreg budgets assume")

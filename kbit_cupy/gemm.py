@@ -31,7 +31,6 @@ BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
 KERNELS = ("auto", "mma", "wgmma", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
-_WG_MAX_M = 8 * max(_jit.GEMM_WG_M_TILES)  # rows of A per wgmma launch (at most; gemm_wg_m_tiles)
 _WARPS = 4  # per gemm_mma CTA
 _WG_WARPGROUPS = None  # override of _jit.gemm_wg_warpgroups (for A/B runs)
 _CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
@@ -349,11 +348,11 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     weight.prepare()
     wg = choice == "wgmma"
     if wg:
-        step = min(_WG_MAX_M, 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)))
-        # the 129..256-row launches load A through a tensor map, and their
-        # setmaxnreg budgets need the register count ptxas gave at build time
-        if not (_tensor_maps_available() and _slab_launch_ok(weight, A.dtype.name)):
-            step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
+        # rows per launch; the 129..256-row launches load A through a tensor
+        # map, and their setmaxnreg budgets need the register count ptxas gave
+        step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
+        if M > step and _tensor_maps_available() and _slab_launch_ok(weight, A.dtype.name):
+            step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
     else:
         step = _MMA_MAX_M
     for m0 in range(0, M, step):
@@ -619,8 +618,7 @@ def _slab_launch_ok(weight: "KbitWeight", dtype_name: str) -> bool:
                 continue
             wgs = _jit.gemm_wg_warpgroups(m_tiles, weight.k)
             kern = _jit.get_kernel("gemm_mma", weight.k, dtype_name, scale, m_tiles, 1, wgs)
-            cap = 65536 // _jit.gemm_wg_threads(m_tiles, wgs) // 8 * 8
-            found = found and kern.num_regs == cap
+            found = found and kern.num_regs == _jit.gemm_wg_entry_regs(m_tiles, wgs)
         _slab_ok_cache[key] = found
     return found
 

@@ -256,7 +256,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kLag = kStages - 2;
   constexpr int kChunksPerRow = kSlab ? 8 : 32;  // 16-byte chunks of a staged row
   constexpr int kStageChunks = 8 * M_TILES * kChunksPerRow;
-  constexpr int kSlabsPerTile = kSlab ? 4 : 1;  // stages a K tile takes
   int* tile_cum = reinterpret_cast<int*>(x_stage + kStages * kStageChunks);  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
   // route_ids: the ids (M) and the sorted order (M) follow
@@ -521,8 +520,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // uninitialised). Grouped launches zero-fill them in load_x, the tensor
     // copies of slab staging themselves.
     const int rows_past = 8 * M_TILES - min(M, 8 * M_TILES);
-    for (int i = threadIdx.x; i < rows_past * kChunksPerRow; i += blockDim.x) {
-      const int row = M + i / kChunksPerRow, c = i % kChunksPerRow;
+    for (int i = threadIdx.x; i < rows_past * 32; i += blockDim.x) {
+      const int row = M + (i >> 5), c = i & 31;
 #pragma unroll
       for (int buf = 0; buf < kStages; ++buf)
         x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
@@ -749,8 +748,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // (w_next, raw_next) meanwhile, so the pipeline runs across segments.
   auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
-    // WG: the stage of this tile's first slab (slab staging) or of the tile
-    const int buf = WG ? (seg_buf0 + kSlabsPerTile * i) % kStages : (seg_buf0 ^ i) & 1;
+    // (Slab staging: each slab's stage follows from its index, slab_s below.)
+    const int buf = WG ? (seg_buf0 + i) % kStages : (seg_buf0 ^ i) & 1;
     const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
     // mma: lane l gives ldmatrix the address of row 8mt + (l & 7), chunk
     // 4j + (l >> 3) of the stage (matrix l >> 3 of the x4 load): chunk
@@ -1000,7 +999,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     finish_segment(grp, cur, seg_kt0, seg_kt0 + seg_n);
     tiles_done += seg_n;
     if constexpr (WG) {
-      seg_buf0 = (seg_buf0 + kSlabsPerTile * seg_n) % kStages;
+      seg_buf0 = (seg_buf0 + seg_n) % kStages;
     } else {
       seg_buf0 ^= seg_n & 1;
     }

@@ -88,9 +88,10 @@ __device__ __forceinline__ void wgmma_fence(unsigned (&a)[2][4]) {
                  "+r"(a[1][1]), "+r"(a[1][2]), "+r"(a[1][3])::"memory");
 #endif
 }
-// The same, with the two descriptors the block's wgmmas read: defined before
-// the fence too (ptxas serializes every wgmma, C7513, when an input register
-// is defined between the fence and the wgmma).
+// The same, with the two descriptors the block's wgmmas read as operands too
+// (slab staging; added while chasing ptxas's C7513 serialization, which the
+// named barriers fixed: the plain fence gives the same instruction count, this
+// is the form that was measured).
 __device__ __forceinline__ void wgmma_fence(unsigned (&a)[2][4], unsigned long long (&desc)[2]) {
 #if KBIT_HAS_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n"

@@ -80,7 +80,8 @@ def test_setmaxnreg_budgets_fit_the_entry_allocation():
             threads = _jit.gemm_wg_threads(m_tiles, wgs)
             if threads == 128 * wgs:
                 continue
-            cap = 65536 // threads // 8 * 8
+            cap = _jit.gemm_wg_entry_regs(m_tiles, wgs)
+            assert cap == 65536 // threads // 8 * 8
             consumer = (cap * (wgs + 1) - 24) // wgs // 8 * 8
             producer = cap * (wgs + 1) - wgs * consumer
             assert 24 <= producer <= 256 and producer % 8 == 0
