@@ -37,6 +37,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ._files import write_text
+
 __all__ = [
     "DEFAULT_FLUSH_BYTES",
     "METHOD",
@@ -638,15 +640,15 @@ def write_results(
     one row per record with ``columns`` (default: all keys, in order of first
     appearance; list-valued keys such as ``samples_us`` are left out by
     default). Numeric columns are right-aligned; floats formatted by magnitude.
-    Parent directories are created.
+    Parent directories are created; each file is replaced atomically.
     """
     meta = dict(meta)
     jp, mp = Path(json_path), Path(md_path)
     jp.parent.mkdir(parents=True, exist_ok=True)
     mp.parent.mkdir(parents=True, exist_ok=True)
-    with jp.open("w") as f:
-        json.dump(_sanitize({"meta": meta, "records": records}), f, indent=1, allow_nan=False)
-        f.write("\n")
+    # Both files are replaced atomically: an error (or Ctrl-C) keeps the old ones.
+    write_text(jp, json.dumps(_sanitize({"meta": meta, "records": records}), indent=1,
+                              allow_nan=False) + "\n")
 
     if columns is None:
         columns = []
@@ -714,8 +716,7 @@ def write_results(
         for r in records:
             lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
         lines.append("")
-    with mp.open("w") as f:
-        f.write("\n".join(lines))
+    write_text(mp, "\n".join(lines))
 
 
 # --------------------------------------------------------------------------
