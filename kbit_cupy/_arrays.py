@@ -7,6 +7,9 @@ NumPy input runs the NumPy path; CuPy input (or anything CuPy accepts through
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import ml_dtypes
 import numpy as np
 
@@ -123,3 +126,78 @@ def to_host(x) -> np.ndarray:
     if cp is not None and isinstance(x, cp.ndarray):
         return cp.asnumpy(x)
     return np.asarray(x)
+
+
+# --------------------------------------------------------------------------
+# argument checks: what was given, what is allowed, by the argument's name
+
+
+def check_shape(value, name: str = "shape", ndim: int | None = None) -> tuple[int, ...]:
+    """``value`` (a tuple or list of sizes) as a tuple of Python ints.
+
+    Sizes may be Python or NumPy integers; floats (even ``10.0``), bools and
+    strings are refused, never truncated. Raises TypeError naming ``name`` for
+    a value that is not a sequence of integers, ValueError for a negative size
+    or (with ``ndim``) the wrong number of dimensions.
+    """
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple of integers, got {type(value).__name__} "
+                        f"{value!r}")
+    sizes = []
+    for size in value:
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
+            raise TypeError(f"{name} must be a tuple of integers, got {tuple(value)!r} "
+                            f"({type(size).__name__} {size!r}); sizes are never rounded")
+        if size < 0:
+            raise ValueError(f"{name} must hold sizes >= 0, got {tuple(value)!r}")
+        sizes.append(int(size))
+    if ndim is not None and len(sizes) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got {tuple(value)!r}")
+    return tuple(sizes)
+
+
+def check_array(value, name: str):
+    """``value`` itself if it is a NumPy or GPU array, else TypeError naming ``name``.
+
+    For arguments that must already be arrays (``out=`` is written in place);
+    arguments that take array-likes go through ``as_module_array`` instead.
+    """
+    if isinstance(value, np.ndarray) or is_device_array(value):
+        return value
+    raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(value).__name__}; "
+                    "create it with np.empty(...) / cupy.empty(...) or np.asarray(...)")
+
+
+def check_flat(array, name: str, source: str = "quantize_kbit"):
+    """``array`` if it is 1-D, else ValueError naming ``name`` (one rule at every size)."""
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, as {source} returns it, got shape "
+                         f"{tuple(array.shape)}; pass {name}.reshape(-1)")
+    return array
+
+
+def check_choice(value, name: str, choices) -> str:
+    """``value`` if it is one of the strings ``choices``; TypeError for a non-string."""
+    allowed = ", ".join(repr(c) for c in choices)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {allowed}, got "
+                        f"{type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def check_mapping(value, name: str, what: str):
+    """``value`` if it is a mapping, else TypeError naming ``name`` and what it maps."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a mapping {what}, got {type(value).__name__}; "
+                        "e.g. dict(zip(names, values))")
+    return value
+
+
+def check_path(value, name: str = "path"):
+    """``value`` if it is a str or os.PathLike path, else TypeError naming ``name``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike file path, got "
+                        f"{type(value).__name__} {value!r}")
+    return value
