@@ -1,12 +1,27 @@
-"""Command line: ``python -m kbit_cupy {demo,compile-check,info,bench-format}``."""
+"""Command line: ``python -m kbit_cupy COMMAND`` (``--help`` lists them).
+
+Every error is one line on stderr (``python -m kbit_cupy CMD: error: ...``)
+and a non-zero exit: 2 for bad arguments, 1 for a failed command, 130 / 143
+when interrupted / terminated. ``KBIT_CUPY_TRACEBACK=1`` shows the traceback
+of an unexpected error instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 
 import numpy as np
+
+PROG = "python -m kbit_cupy"
+DEMO_MAX_SIDE = 1 << 16  # rows or columns
+DEMO_MAX_ELEMENTS = 1 << 28  # 512 MiB of fp16 (the NumPy path needs several times that)
+MAX_REPS = 100_000
+MAX_ROWS = 1 << 24  # M of bench / T of bench-moe
+MAX_ELEMENTS = 1 << 34  # bench-format: more than any GPU holds in fp32 (the run says so)
 
 
 def _sqnr_db(x: np.ndarray, y: np.ndarray) -> float:
@@ -91,8 +106,8 @@ def cmd_compile_check(args) -> int:
     try:
         results = _jit.compile_check(archs)
     except Exception as exc:  # noqa: BLE001 - NVRTC missing is a failed check
-        print(f"compile-check could not run NVRTC: {exc}", file=sys.stderr)
-        print("install the test extra: pip install -e '.[test]'", file=sys.stderr)
+        print(f"{PROG} compile-check: error: could not run NVRTC ({_one_line(exc)}); install "
+              "the test extra: pip install -e '.[test]'", file=sys.stderr)
         return 2
     print(f"{'kernel':<58} {'arch':<7} {'regs':>4} {'spill':>5} {'stack':>5} {'smem':>5}  status")
     failed = 0
@@ -198,12 +213,87 @@ def cmd_plot(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------
+# arguments and errors
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse reporting a usage error in one line (exit code 2), not usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(low: int, high: int):
+    """An argparse ``type`` accepting integers from ``low`` to ``high``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; give {low} to {high}")
+        return value
+    return parse
+
+
+def _layer_shape(text: str) -> str:
+    """An argparse ``type`` for ``K_dimxN`` (kept as text; bench_gemm parses it)."""
+    from .bench_gemm import parse_shape
+
+    try:
+        sizes = parse_shape(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K_dimxN, e.g. 4096x6144") from None
+    if not all(1 <= size <= MAX_ROWS for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be 1 to {MAX_ROWS}")
+    return text
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception as one line: what went wrong, with the file for OS errors."""
+    if isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    else:
+        text = str(exc) or type(exc).__name__
+        if not isinstance(exc, (ValueError, TypeError, ImportError, RuntimeError)):
+            text = f"{type(exc).__name__}: {text}"
+    return " ".join(text.split())
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is so that files being written are cleaned up."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated
+
+
+def _run(command: str, func, args) -> int:
+    """``func(args)`` with every failure turned into one stderr line and an exit code."""
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print(f"{PROG} {command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except Exception as exc:
+        if os.environ.get("KBIT_CUPY_TRACEBACK"):
+            raise
+        known = isinstance(exc, (ValueError, TypeError, OSError, ImportError))
+        hint = "" if known else " (an unexpected error: KBIT_CUPY_TRACEBACK=1 shows where)"
+        print(f"{PROG} {command}: error: {_one_line(exc)}{hint}", file=sys.stderr)
+        return 1
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kbit_cupy", description=__doc__)
+    parser = _Parser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help=cmd_demo.__doc__)
-    p.add_argument("--rows", type=int, default=4096)
-    p.add_argument("--cols", type=int, default=4096)
+    demo = p = sub.add_parser("demo", help=cmd_demo.__doc__)
+    p.add_argument("--rows", type=_int_in(1, DEMO_MAX_SIDE), default=4096)
+    p.add_argument("--cols", type=_int_in(1, DEMO_MAX_SIDE), default=4096)
     p.add_argument("--cpu", action="store_true", help="force the NumPy path")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("compile-check", help=cmd_compile_check.__doc__)
@@ -213,8 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", "-v", action="store_true", help="list every compiled variant")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("bench-format", help=cmd_bench_format.__doc__)
-    p.add_argument("--elements", type=int, default=1 << 28)
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--elements", type=_int_in(1, MAX_ELEMENTS), default=1 << 28)
+    p.add_argument("--reps", type=_int_in(1, MAX_REPS), default=30)
     p.add_argument("--out", default=None, help="path prefix for .json and .md results")
     p.set_defaults(func=cmd_bench_format)
     from .bench_gemm import DEFAULT_M, DEFAULT_SHAPES
@@ -222,12 +312,13 @@ def main(argv=None) -> int:
 
     for name in ("bench", "bench-gemm"):
         p = sub.add_parser(name, help=cmd_bench_gemm.__doc__)
-        p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="layers as K_dimxN")
-        p.add_argument("--m", nargs="+", type=int, default=DEFAULT_M)
-        p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
+        p.add_argument("--shapes", nargs="+", type=_layer_shape, default=DEFAULT_SHAPES,
+                       help="layers as K_dimxN")
+        p.add_argument("--m", nargs="+", type=_int_in(1, MAX_ROWS), default=DEFAULT_M)
+        p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5], choices=[2, 3, 4, 5])
         p.add_argument("--kernels", nargs="+", default=["auto"], choices=list(KERNELS))
         p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-        p.add_argument("--reps", type=int, default=20)
+        p.add_argument("--reps", type=_int_in(1, MAX_REPS), default=20)
         p.add_argument("--bf16-baseline", action="store_true",
                        help="also time cuBLAS bf16 (recorded as kernel cublas_bf16)")
         p.add_argument("--out", default=None, help="path prefix for .json and .md results")
@@ -238,9 +329,10 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("bench-moe", help=cmd_bench_moe.__doc__)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--t", nargs="+", type=int, default=DEFAULT_T, help="tokens per call")
-    p.add_argument("--k", nargs="+", type=int, default=[4])
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--t", nargs="+", type=_int_in(1, MAX_ROWS), default=DEFAULT_T,
+                   help="tokens per call")
+    p.add_argument("--k", nargs="+", type=int, default=[4], choices=[2, 3, 4, 5])
+    p.add_argument("--reps", type=_int_in(1, MAX_REPS), default=20)
     p.add_argument("--out", default=None, help="path prefix for .json and .md results")
     p.set_defaults(func=cmd_bench_moe)
     p = sub.add_parser("plot", help=cmd_plot.__doc__)
@@ -248,8 +340,13 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=".", help="where the PNGs go")
     p.set_defaults(func=cmd_plot)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if args.command == "demo" and args.rows * args.cols > DEMO_MAX_ELEMENTS:
+        demo.error(f"--rows x --cols = {args.rows * args.cols} elements is more than the demo's "
+                f"{DEMO_MAX_ELEMENTS}; pick smaller sizes")
+    return _run(args.command, args.func, args)
 
 
 if __name__ == "__main__":
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(main())

@@ -8,7 +8,14 @@ committed results under ``benchmarks/results/`` can be plotted anywhere:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+from ._files import atomic_write
+
+# What every bench record must carry for the figures (numbers; speedup for k != 16).
+RECORD_KEYS = ("K_dim", "N", "M", "k", "time_us", "GB_s", "TFLOP_s")
+_FIX = "give a results JSON file written by python -m kbit_cupy bench --out PREFIX"
 
 
 def _pyplot():
@@ -29,19 +36,62 @@ def _where(meta: dict) -> str:
 
 
 def _save(plt, fig, path) -> Path:
-    fig.tight_layout()
+    """Write ``fig`` to ``path`` atomically (format from the suffix, PNG if none)."""
     out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        with atomic_write(out) as f:
+            fig.savefig(f, dpi=120, format=out.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return out
 
 
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_record(path, index: int, record) -> None:
+    # A record of the wrong type is a bad file (a value), not a caller's TypeError.
+    if not isinstance(record, dict):
+        raise ValueError(  # noqa: TRY004
+            f"{path}: record {index} is a {type(record).__name__}, not an object; {_FIX}")
+    needed = RECORD_KEYS + (("speedup",) if record.get("k") != 16 else ())
+    bad = [key for key in needed if not _is_number(record.get(key))]
+    if bad:
+        raise ValueError(f"{path}: record {index} lacks numbers for {bad}; {_FIX}")
+    if record["time_us"] <= 0 or record["GB_s"] <= 0:
+        raise ValueError(f"{path}: record {index} has time_us {record['time_us']} and GB_s "
+                         f"{record['GB_s']}; both must be > 0; {_FIX}")
+
+
 def load(path) -> tuple[list[dict], dict]:
-    """(records, meta) of a results JSON file."""
-    data = json.loads(Path(path).read_text())
+    """(records, meta) of a results JSON file.
+
+    Raises ValueError naming ``path`` for an empty file, one that is not JSON,
+    not a results object, has no records or a record without the numbers the
+    figures need (``RECORD_KEYS``, and ``speedup`` for k != 16); OSError if it
+    cannot be read.
+    """
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"{path} is empty; {_FIX}")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc}); {_FIX}") from None
     if not isinstance(data, dict) or "records" not in data:
-        raise ValueError(f"{path} is not a kbit_cupy results file (no 'records')")
-    return data["records"], data.get("meta", {})
+        raise ValueError(f"{path} is not a kbit_cupy results file (no 'records'); {_FIX}")
+    records, meta = data["records"], data.get("meta", {})
+    if not isinstance(records, list) or not records:
+        raise ValueError(f"{path} has no records (an empty or interrupted run?); {_FIX}")
+    if not isinstance(meta, dict):
+        raise ValueError(  # noqa: TRY004
+            f"{path}: 'meta' is a {type(meta).__name__}, not an object; {_FIX}")
+    for index, record in enumerate(records):
+        _check_record(path, index, record)
+    return records, meta
 
 
 def _best_by_point(records: list[dict]) -> dict:
@@ -76,7 +126,8 @@ def plot_speedup(records: list[dict], meta: dict, path) -> Path:
         ax.grid(alpha=0.3)
     for row in axes:
         row[0].set_ylabel("speedup vs cuBLAS fp16")
-    axes.flat[len(layers) - 1].legend()
+    if axes.flat[len(layers) - 1].get_legend_handles_labels()[0]:  # cuBLAS-only: no lines
+        axes.flat[len(layers) - 1].legend()
     fig.suptitle(f"kbit_gemm, best kernel per point - {_where(meta)}")
     return _save(plt, fig, path)
 
@@ -111,12 +162,19 @@ def plot_roofline(records: list[dict], meta: dict, path) -> Path:
 
 
 def plot_results(paths, out_dir) -> list[Path]:
-    """Both figures for each results file, written next to each other in ``out_dir``."""
+    """Both figures for each results file, written next to each other in ``out_dir``.
+
+    Every file is read and checked before anything is drawn. Raises ValueError
+    if ``out_dir`` is an existing file, plus what ``load`` raises.
+    """
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"the output directory {out_dir} is a file; give a directory "
+                         "(it is created if missing)")
+    loaded = [(p, *load(p)) for p in paths]
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for p in paths:
-        records, meta = load(p)
+    for p, records, meta in loaded:
         stem = Path(p).stem
         written.append(plot_speedup(records, meta, out_dir / f"{stem}_speedup.png"))
         written.append(plot_roofline(records, meta, out_dir / f"{stem}_roofline.png"))
