@@ -4,6 +4,13 @@ NumPy arrays in -> the NumPy path, NumPy out. CuPy arrays in -> CUDA kernels
 compiled at run time by NVRTC, CuPy out. FORMAT.md is the contract.
 """
 
+from .calibrate import (
+    HessianAccumulator,
+    allocate_bits,
+    gptq_quantize,
+    hessian_error,
+    quantize_mixed,
+)
 from .codebook import fit_codebook
 from .experts import KbitExperts, kbit_grouped_gemm, moe_linear, quantize_experts
 from .format import create_normal_float_codebook, decode_absmax_e4m4, encode_absmax_e4m4
@@ -20,19 +27,24 @@ from .serialization import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "HessianAccumulator",
     "KbitExperts",
     "KbitWeight",
+    "allocate_bits",
     "create_normal_float_codebook",
     "decode_absmax_e4m4",
     "dequantize_kbit",
     "encode_absmax_e4m4",
     "fit_codebook",
+    "gptq_quantize",
+    "hessian_error",
     "kbit_gemm",
     "kbit_grouped_gemm",
     "load_quantized",
     "moe_linear",
     "quantize_experts",
     "quantize_kbit",
+    "quantize_mixed",
     "quantize_weight",
     "read_safetensors",
     "read_safetensors_metadata",

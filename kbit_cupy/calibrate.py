@@ -1,0 +1,625 @@
+"""Calibrated quantization: indices and scales chosen against the layer's inputs.
+
+The format does not change (FORMAT.md sections 3-6): every result here is a
+``KbitWeight`` of bit-plane indices, E4M4 (or fp16) block scales and a
+codebook, so every kernel, save/load and the MoE path read it unchanged. What
+changes is how the indices and scales are chosen: instead of rounding each
+weight to its nearest entry (RTN), ``gptq_quantize`` minimises the error of
+the layer's *output* on calibration inputs ``X``,
+
+    ||X (W - Q)^T||^2 = trace((W - Q) H (W - Q)^T),   H = X^T X,
+
+the "H-weighted error" (``hessian_error``). It is GPTQ (Frantar et al., 2022)
+fitted to this format:
+
+- Columns of ``K_dim`` are quantized in order. At the first column of each
+  32-column block the block's scale is fixed from the *error-updated* values
+  (their absmax, encoded and decoded as section 3 says), then each column's
+  index is the section-4 nearest entry of ``value / scale``. So the indices
+  are exactly what ``quantize_kbit``'s rule picks for the dequantized weight
+  with these scales: re-encoding gives the same bits.
+- Each column's rounding error is propagated to the columns after it through
+  the upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``): within a
+  32-column block at once, to the rest of a batch of ``block_columns``
+  columns with one matrix product per block, and to everything after the
+  batch with one product per batch (the lazy batched updates that keep the
+  GPU busy).
+
+On top of plain GPTQ, each measured in ``benchmarks/gptq_quality.py``:
+
+- ``scale_search``: each block also tries scales below its absmax (a grid
+  down to ``scale_floor`` times it, each encoded to a storable scale) and
+  keeps, per block, the one with the smallest H-weighted error of its 32
+  columns (the GPTQ loss ``sum(err**2)`` of those columns).
+- ``fit_codebook``: the codebook is refitted to what GPTQ actually rounds
+  (the error-updated quotients ``value / scale``, each weighted by its cost
+  ``scale**2 / U_jj**2``, a weighted Lloyd step on ``fit_codebook``'s
+  histogram), then GPTQ runs again with it; the best pass is kept.
+- ``guard_rtn`` (on by default): the result is never worse than RTN with the
+  same codebook on the H-weighted error; where it would be, RTN is returned.
+- Mixed bit widths: ``allocate_bits`` picks ``k`` per layer under an average
+  bits-per-weight budget from measured errors; ``quantize_mixed`` measures
+  them (GPTQ at every ``k``) and returns the weights with the allocation.
+
+Sequential calibration (each layer's ``H`` from inputs produced by the
+already-quantized layers before it) belongs to the model's forward pass;
+``examples/minilm.py`` shows it with ``HessianAccumulator``.
+
+NumPy and CuPy arrays both work (the result lives where ``W`` lives). Both are
+deterministic, but they do not give the same bits: the error propagation is a
+long chain of float32 matrix products whose summation order differs between
+BLAS and cuBLAS, and one rounding difference in an error-updated value can
+move an index, whose error then propagates. Each path is bit-reproducible on
+its own machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._arrays import array_module, as_module_array, to_host
+from .codebook import _Histogram
+from .codebook import fit_codebook as _fit_codebook_rtn
+from .format import (
+    BLOCK,
+    FLT_MIN,
+    check_codebook,
+    check_k,
+    create_normal_float_codebook,
+    scales_from_absmax,
+    select_indices,
+)
+from .gemm import KbitWeight, _indices_to_planes
+from .quantize import _check_absmax_format, _plan_for, quantize_kbit
+
+SCALE_BITS = {"e4m4": 8, "fp16": 16}  # stored bits per block scale
+DEFAULT_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean
+DEFAULT_SEARCH = 8  # candidate scales per block with scale_search=True
+DEFAULT_SCALE_FLOOR = 0.7  # smallest candidate scale, as a fraction of the absmax
+DEFAULT_FIT_ROUNDS = 2  # codebook refits with fit_codebook=True
+_FIT_BINS = 1 << 14  # histogram bins of the codebook refit
+
+
+# --------------------------------------------------------------------------
+# calibration statistics
+
+
+class HessianAccumulator:
+    """Running ``H = X^T X`` of one linear layer's inputs, batch by batch.
+
+    ``HessianAccumulator(in_features, dtype=numpy.float64, xp=numpy)`` starts
+    from zeros; ``add(x, mask)`` adds the rows of ``x`` (shape ``[..., in_features]``,
+    any float dtype, in ``xp``) whose ``mask`` entry (shape ``x.shape[:-1]``,
+    bool or 0/1) is set: padding tokens are left out. ``hessian`` is the sum
+    divided by the number of rows added (the mean second moment, so that
+    statistics from different numbers of tokens compare); ``total`` the sum;
+    ``count`` the rows. ``dtype`` is float32 or float64 (the accumulation
+    and the result).
+
+    Raises ValueError for a wrong ``in_features``/shape/mask shape and
+    TypeError for a non-float ``dtype``.
+    """
+
+    def __init__(self, in_features: int, dtype=np.float64, xp=np):
+        if isinstance(in_features, bool) or not isinstance(in_features, (int, np.integer)) \
+                or in_features < 1:
+            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        self.in_features = int(in_features)
+        self.dtype = dtype
+        self.xp = xp
+        self.total = xp.zeros((self.in_features, self.in_features), dtype=dtype)
+        self.count = 0
+
+    def add(self, x, mask=None) -> None:
+        """Add the rows of ``x`` (``[..., in_features]``) where ``mask`` is set."""
+        xp = self.xp
+        if array_module(x) is not xp:
+            raise TypeError("x must live where the accumulator does (NumPy or CuPy); "
+                            "pass xp= to HessianAccumulator or move x")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x's last dimension must be in_features={self.in_features}, "
+                             f"got shape {x.shape}")
+        rows = x.reshape(-1, self.in_features)
+        if mask is not None:
+            mask = xp.asarray(mask)
+            if mask.shape != x.shape[:-1]:
+                raise ValueError(f"mask must have shape x.shape[:-1] = {x.shape[:-1]}, "
+                                 f"got {mask.shape}")
+            rows = rows[mask.reshape(-1) != 0]
+        if rows.shape[0] == 0:
+            return
+        rows = rows.astype(self.dtype)
+        self.total += rows.T @ rows
+        self.count += int(rows.shape[0])
+
+    @property
+    def hessian(self):
+        """``total / count`` (zeros before anything was added), in ``xp`` and ``dtype``."""
+        return self.total / max(self.count, 1)
+
+
+# --------------------------------------------------------------------------
+# errors
+
+
+def hessian_error(W, W_hat, hessian) -> float:
+    """``trace((W - W_hat) H (W - W_hat)^T)`` in float64: the output error of the
+    quantized layer on the calibration inputs (per token when ``H`` is a mean).
+
+    ``W``: ``[N, K_dim]`` array; ``W_hat``: the same shape, or a ``KbitWeight``
+    (dequantized in float32); ``hessian``: ``[K_dim, K_dim]`` or a
+    ``HessianAccumulator``. All in one module.
+    """
+    if isinstance(W_hat, KbitWeight):
+        W_hat = W_hat.dequantize(np.float32)
+    if isinstance(hessian, HessianAccumulator):
+        hessian = hessian.hessian
+    xp = array_module(W)
+    diff = W.astype(xp.float64) - W_hat.astype(xp.float64)
+    return float(((diff @ hessian.astype(xp.float64)) * diff).sum())
+
+
+# --------------------------------------------------------------------------
+# GPTQ
+
+
+@dataclass
+class GPTQReport:
+    """What ``gptq_quantize`` did: H-weighted errors and which result it kept.
+
+    ``error`` of the returned weight, ``rtn_error`` of RTN with the starting
+    codebook, ``passes`` the error of each GPTQ pass (one per codebook),
+    ``chosen`` ``"gptq"`` or ``"rtn"``, ``damp`` the relative damping used.
+    """
+
+    error: float
+    rtn_error: float
+    passes: list[float] = field(default_factory=list)
+    chosen: str = "gptq"
+    damp: float = DEFAULT_DAMP
+
+
+def gptq_quantize(
+    W,
+    k: int = 4,
+    codebook=None,
+    *,
+    hessian,
+    absmax_format: str = "e4m4",
+    damp: float = DEFAULT_DAMP,
+    block_columns: int = 128,
+    scale_search: bool | int = False,
+    scale_floor: float = DEFAULT_SCALE_FLOOR,
+    fit_codebook: bool | int = False,
+    guard_rtn: bool = True,
+    return_report: bool = False,
+):
+    """Quantize ``W`` with GPTQ error compensation into the kbit format.
+
+    Parameters
+    ----------
+    W : ``[N, K_dim]`` float16 / bfloat16 / float32 / float64 array (NumPy or
+        CuPy), ``K_dim % 32 == 0``, finite.
+    k : bits per index, 2..5.
+    codebook : ``2**k`` floats, None (the NF codebook) or ``"fit"``
+        (``fit_codebook(W, k)``, fitted for RTN) as the starting codebook.
+    hessian : ``[K_dim, K_dim]`` symmetric positive semi-definite array (or a
+        ``HessianAccumulator``) in ``W``'s module: ``X^T X`` of the layer's
+        inputs (any positive multiple of it).
+    absmax_format : ``"e4m4"`` (default) or ``"fp16"`` block scales.
+    damp : ``damp * mean(diag H)`` is added to ``H``'s diagonal before it is
+        inverted (doubled until the Cholesky factorisation succeeds).
+    block_columns : columns per lazy batch, a multiple of 32.
+    scale_search : False, True (``DEFAULT_SEARCH`` candidates) or the number
+        of candidate scales per block, from the absmax down to
+        ``scale_floor`` times it; each block keeps the candidate with the
+        smallest GPTQ loss over its 32 columns (ties: the larger scale).
+    fit_codebook : False, True (``DEFAULT_FIT_ROUNDS``) or the number of
+        rounds of refitting the codebook to the GPTQ pass and running it
+        again; the pass with the smallest H-weighted error is kept.
+    guard_rtn : return RTN (``quantize_kbit`` with the starting codebook)
+        where it has the smaller H-weighted error.
+    return_report : also return a ``GPTQReport``.
+
+    Returns
+    -------
+    ``KbitWeight`` in ``W``'s module (and a ``GPTQReport`` with
+    ``return_report``). Deterministic for a given input and machine.
+
+    Raises
+    ------
+    ValueError: bad ``k``/shapes/options, non-finite input, a scale too
+    large for the format. TypeError: arrays from different modules, bad dtypes.
+    """
+    k = check_k(k)
+    absmax_format = _check_absmax_format(absmax_format)
+    xp, W = as_module_array(W, "W")
+    if W.dtype.kind != "f" and W.dtype.name != "bfloat16":
+        raise TypeError(f"W must be a float array, got dtype {W.dtype}")
+    if W.ndim != 2 or W.shape[1] % BLOCK or W.shape[0] < 1 or W.shape[1] < BLOCK:
+        raise ValueError(f"W must be 2-D [N, K_dim] with K_dim a positive multiple of {BLOCK}, "
+                         f"got shape {W.shape}")
+    N, K_dim = (int(d) for d in W.shape)
+    W32 = xp.ascontiguousarray(W.astype(xp.float32))
+    if not bool(xp.isfinite(W32).all()):
+        raise ValueError("W contains NaN or infinity; quantization needs finite values")
+    H = _check_hessian(xp, hessian, K_dim)
+    if isinstance(block_columns, bool) or not isinstance(block_columns, (int, np.integer)) \
+            or block_columns < BLOCK or block_columns % BLOCK:
+        raise ValueError(f"block_columns must be a positive multiple of {BLOCK}, "
+                         f"got {block_columns!r}")
+    candidates = _count_option(scale_search, DEFAULT_SEARCH, "scale_search")
+    rounds = _count_option(fit_codebook, DEFAULT_FIT_ROUNDS, "fit_codebook")
+    if not 0.0 < float(scale_floor) <= 1.0:
+        raise ValueError(f"scale_floor must be in (0, 1], got {scale_floor!r}")
+    factors = np.linspace(1.0, float(scale_floor), candidates + 1) if candidates else np.ones(1)
+
+    if isinstance(codebook, str):
+        if codebook != "fit":
+            raise ValueError(f'codebook must be an array, None or "fit", got {codebook!r}')
+        start = _fit_codebook_rtn(W32, k, absmax_format=absmax_format)
+    elif codebook is None:
+        start = create_normal_float_codebook(k)
+    else:
+        start = check_codebook(to_host(codebook), k)
+
+    U, used_damp = _inverse_cholesky(xp, H, float(damp))
+    best = None
+    passes = []
+    cb = start
+    for round_ in range(rounds + 1):
+        idx, stored, targets = _gptq_pass(xp, W32, U, cb, k, absmax_format, factors,
+                                          int(block_columns), record=round_ < rounds)
+        weight = _to_weight(xp, idx, stored, cb, k, N, K_dim)
+        error = hessian_error(W32, weight, H)
+        passes.append(error)
+        if best is None or error < best[1]:
+            best = (weight, error)
+        if round_ < rounds:
+            cb = _refit_codebook(cb, *targets)
+    weight, error = best
+    rtn = _to_rtn_weight(xp, W32, k, start, absmax_format, N, K_dim)
+    rtn_error = hessian_error(W32, rtn, H)
+    chosen = "gptq"
+    if guard_rtn and rtn_error < error:
+        weight, error, chosen = rtn, rtn_error, "rtn"
+    if return_report:
+        return weight, GPTQReport(error, rtn_error, passes, chosen, used_damp)
+    return weight
+
+
+def _count_option(value, default: int, name: str) -> int:
+    if value is True:
+        return default
+    if value is False or value is None:
+        return 0
+    if isinstance(value, (int, np.integer)) and value >= 0:
+        return int(value)
+    raise ValueError(f"{name} must be a bool or a non-negative int, got {value!r}")
+
+
+def _check_hessian(xp, hessian, K_dim: int):
+    if isinstance(hessian, HessianAccumulator):
+        hessian = hessian.hessian
+    if hessian is None:
+        raise ValueError("gptq_quantize needs hessian= (X^T X of the layer's inputs, "
+                         "e.g. from HessianAccumulator)")
+    if array_module(hessian) is not xp:
+        raise TypeError("hessian must live where W does (both NumPy or both CuPy)")
+    H = xp.asarray(hessian)
+    if H.shape != (K_dim, K_dim):
+        raise ValueError(f"hessian must have shape [K_dim, K_dim] = [{K_dim}, {K_dim}], "
+                         f"got {H.shape}")
+    H = H.astype(xp.float64)
+    if not bool(xp.isfinite(H).all()):
+        raise ValueError("hessian contains NaN or infinity")
+    return H
+
+
+def _inverse_cholesky(xp, H, damp: float):
+    """Upper-triangular float32 ``U`` with ``(H + damping)^-1 = U^T U``, and the damping used.
+
+    Inputs never seen (a zero diagonal entry) get a diagonal of 1: their
+    columns are rounded with no error propagated to or from them.
+    """
+    H = H.copy()
+    diag = xp.diagonal(H).copy()
+    dead = diag <= 0
+    H[:, dead] = 0
+    H[dead, :] = 0
+    diag = xp.where(dead, 1.0, diag)
+    mean = float(diag[~dead].mean()) if bool((~dead).any()) else 1.0
+    eye = xp.arange(H.shape[0])
+    for _ in range(12):
+        trial = H.copy()
+        trial[eye, eye] = diag + damp * mean
+        try:
+            lower = xp.linalg.cholesky(trial)
+            inverse = xp.linalg.inv(lower)
+            inverse = inverse.T @ inverse  # (L L^T)^-1 = L^-T L^-1
+            upper = xp.linalg.cholesky(inverse).T
+        except np.linalg.LinAlgError:
+            damp = damp * 2 if damp > 0 else 1e-6
+            continue
+        if bool(xp.isfinite(upper).all()):  # CuPy reports failure as NaN, not an exception
+            return xp.ascontiguousarray(upper.astype(xp.float32)), damp
+        damp = damp * 2 if damp > 0 else 1e-6
+    raise ValueError("hessian is not positive definite even with damping; "
+                     "check the calibration statistics")
+
+
+def _flush(xp, x):
+    """float32 denormals to signed zero (FORMAT.md: GPU arithmetic is flush-to-zero)."""
+    return xp.where(xp.abs(x) < FLT_MIN, xp.copysign(xp.float32(0), x), x)
+
+
+class _Selector:
+    """FORMAT.md section 4 index selection in ``xp`` (``format.select_indices`` on NumPy)."""
+
+    def __init__(self, xp, codebook: np.ndarray, k: int):
+        self.xp = xp
+        self.plan = _plan_for(k, codebook.astype(np.float32).tobytes())
+        self.codebook = xp.asarray(self.plan.codebook)
+        if xp is not np:
+            self.thresholds = xp.asarray(self.plan.thresholds)
+            self.order = xp.asarray(self.plan.order)
+
+    def __call__(self, z):
+        xp = self.xp
+        if xp is np:
+            return select_indices(z, self.plan)
+        if self.plan.fast:
+            return self.order[xp.searchsorted(self.thresholds, z, side="right")]
+        best = xp.full(z.shape, np.inf, xp.float32)
+        idx = xp.zeros(z.shape, xp.int64)
+        for j, c in enumerate(self.plan.codebook):
+            d = xp.abs(_flush(xp, z - c))
+            better = d < best
+            best = xp.where(better, d, best)
+            idx = xp.where(better, j, idx)
+        return idx
+
+
+def _block_scales(xp, absmax, factors: np.ndarray, absmax_format: str):
+    """(stored, decoded) candidate scales ``[C, N]`` for the block maxima ``absmax [N]``.
+
+    Encoded on the host by ``format.scales_from_absmax`` (N values per block of
+    columns: a small copy), so that the scale rule lives in one place.
+    """
+    host = to_host(absmax).astype(np.float32)
+    trial = (factors.astype(np.float32)[:, None] * host[None, :]).astype(np.float32)
+    stored, decoded = scales_from_absmax(trial, absmax_format)
+    return xp.asarray(stored), xp.asarray(decoded)
+
+
+def _gptq_pass(xp, W, U, codebook, k, absmax_format, factors, block_columns, record):
+    """One GPTQ pass; returns (indices [N, K] uint8, stored scales [N, K/32], targets).
+
+    ``targets`` (only with ``record``): the quotients ``value / scale`` each index
+    was chosen for and their weights ``scale**2 / U_jj**2``, for the codebook refit.
+    """
+    N, K_dim = W.shape
+    W = W.copy()
+    select = _Selector(xp, codebook, k)
+    cb = select.codebook
+    inv_diag = (1.0 / xp.diagonal(U)).astype(xp.float32)
+    candidates = factors.size
+    idx_out = xp.empty((N, K_dim), xp.uint8)
+    stored_out = xp.empty((N, K_dim // BLOCK), np.uint8 if absmax_format == "e4m4" else np.float16)
+    z_out = xp.empty((N, K_dim), xp.float32) if record else None
+    w_out = xp.empty((N, K_dim), xp.float32) if record else None
+    rows = xp.arange(N)
+    for b1 in range(0, K_dim, block_columns):
+        b2 = min(b1 + block_columns, K_dim)
+        batch = W[:, b1:b2]  # a view: updated in place
+        errors = xp.empty((N, b2 - b1), xp.float32)
+        for g1 in range(0, b2 - b1, BLOCK):
+            g2 = g1 + BLOCK
+            col0 = b1 + g1
+            values = _flush(xp, batch[:, g1:g2])
+            stored, scale = _block_scales(xp, xp.abs(values).max(axis=1), factors, absmax_format)
+            safe = xp.where(scale > 0, scale, xp.float32(1))
+            trial = xp.broadcast_to(values, (candidates, N, BLOCK)).copy()
+            t_idx = xp.empty((candidates, N, BLOCK), xp.int64)
+            t_err = xp.empty((candidates, N, BLOCK), xp.float32)
+            t_z = xp.empty((candidates, N, BLOCK), xp.float32) if record else None
+            u_block = U[col0:col0 + BLOCK, col0:col0 + BLOCK]
+            for j in range(BLOCK):
+                column = _flush(xp, trial[:, :, j])
+                z = _flush(xp, xp.where(scale > 0, column / safe, xp.float32(0)))
+                chosen = select(z)
+                q = _flush(xp, cb[chosen] * scale)
+                err = (column - q) * inv_diag[col0 + j]
+                t_idx[:, :, j] = chosen
+                t_err[:, :, j] = err
+                if record:
+                    t_z[:, :, j] = z
+                if j + 1 < BLOCK:
+                    trial[:, :, j + 1:] -= err[:, :, None] * u_block[j, j + 1:]
+            # per row, the candidate with the smallest loss (argmin: the first = largest scale)
+            pick = xp.argmin((t_err.astype(xp.float64) ** 2).sum(axis=2), axis=0)
+            idx_out[:, col0:col0 + BLOCK] = t_idx[pick, rows].astype(xp.uint8)
+            stored_out[:, col0 // BLOCK] = stored[pick, rows]
+            block_err = t_err[pick, rows]
+            errors[:, g1:g2] = block_err
+            if record:
+                z_out[:, col0:col0 + BLOCK] = t_z[pick, rows]
+                chosen_scale = scale[pick, rows].astype(xp.float32)
+                w_out[:, col0:col0 + BLOCK] = (chosen_scale[:, None] ** 2
+                                               * inv_diag[col0:col0 + BLOCK] ** 2)
+            if g2 < b2 - b1:
+                batch[:, g2:] -= block_err @ U[col0:col0 + BLOCK, b1 + g2:b2]
+        if b2 < K_dim:
+            W[:, b2:] -= errors @ U[b1:b2, b2:]
+    return idx_out, stored_out, (z_out, w_out)
+
+
+def _to_weight(xp, idx, stored, codebook, k, N, K_dim) -> KbitWeight:
+    packed = _indices_to_planes(xp, idx.reshape(-1, BLOCK), k)
+    return KbitWeight(packed, xp.ascontiguousarray(stored.reshape(-1)), xp.asarray(codebook),
+                      k, (N, K_dim))
+
+
+def _to_rtn_weight(xp, W32, k, codebook, absmax_format, N, K_dim) -> KbitWeight:
+    packed, absmax, cb = quantize_kbit(W32, k, codebook=codebook, absmax_format=absmax_format)
+    return KbitWeight(packed, absmax, cb, k, (N, K_dim))
+
+
+def _refit_codebook(codebook: np.ndarray, z, weight) -> np.ndarray:
+    """Weighted Lloyd iteration on the quotients GPTQ rounded (host, deterministic)."""
+    z = to_host(z).reshape(-1).astype(np.float64)
+    w = to_host(weight).reshape(-1).astype(np.float64)
+    keep = w > 0
+    z, w = z[keep], w[keep]
+    if z.size == 0:
+        return codebook
+    span = max(float(np.abs(z).max()), 1e-30)
+    bins = np.clip(((z + span) * (_FIT_BINS / (2 * span))).astype(np.int64), 0, _FIT_BINS - 1)
+    sums = [np.bincount(bins, weights=v, minlength=_FIT_BINS) for v in (w, w * z, w * z * z)]
+    fitted = _Histogram(*sums).lloyd(codebook)
+    return fitted.astype(np.float32)
+
+
+# --------------------------------------------------------------------------
+# mixed bit widths
+
+
+def bits_per_weight(k: int, absmax_format: str = "e4m4") -> float:
+    """Stored bits per weight at ``k``: the index plus the block scale's share."""
+    return check_k(k) + SCALE_BITS[_check_absmax_format(absmax_format)] / BLOCK
+
+
+def allocate_bits(
+    errors: Mapping[str, Mapping[int, float]],
+    sizes: Mapping[str, int],
+    budget: float,
+    absmax_format: str = "e4m4",
+) -> dict[str, int]:
+    """Pick ``k`` per layer: the smallest total error within an average bit budget.
+
+    ``errors[name][k]``: a layer's measured error at each allowed ``k`` (for
+    instance its relative H-weighted error); ``sizes[name]``: its weight
+    count; ``budget``: the average stored bits per weight (``bits_per_weight``:
+    4.25 is k = 4 with E4M4 scales). Solved by a Lagrangian sweep (each
+    layer independently minimises ``error + lambda * bits``), then the
+    leftover budget goes greedily to the best error reduction per bit.
+    Deterministic (ties by name order). Returns ``{name: k}`` whose
+    weighted average ``bits_per_weight`` is at most ``budget``.
+
+    Raises ValueError when even the smallest ``k`` everywhere exceeds the budget.
+    """
+    names = sorted(errors)
+    if set(names) != set(sizes):
+        raise ValueError("errors and sizes must have the same layer names")
+    total = float(sum(sizes[n] for n in names))
+    limit = float(budget) * total
+    options = {n: sorted(int(k) for k in errors[n]) for n in names}
+
+    def cost(alloc):
+        return sum(sizes[n] * bits_per_weight(alloc[n], absmax_format) for n in names)
+
+    def pick(lam):
+        return {n: min(options[n], key=lambda k, n=n: (errors[n][k] + lam * sizes[n]
+                                                       * bits_per_weight(k, absmax_format), k))
+                for n in names}
+
+    smallest = {n: options[n][0] for n in names}
+    if cost(smallest) > limit * (1 + 1e-12):
+        raise ValueError(f"budget {budget} bits/weight is below the smallest allowed widths "
+                         f"({cost(smallest) / total:.3f} bits/weight)")
+    scale = max(max(errors[n][k] for k in options[n]) for n in names) / max(
+        min(sizes.values()), 1)
+    lo, hi = 0.0, max(scale, 1e-300)
+    while cost(pick(hi)) > limit:  # a large enough lambda: smallest widths
+        hi *= 2
+    for _ in range(100):  # bisect on lambda: the cheapest-in-error allocation that fits
+        mid = (lo + hi) / 2
+        if cost(pick(mid)) <= limit:
+            hi = mid
+        else:
+            lo = mid
+    alloc = pick(hi)
+    while True:  # spend what is left: best error drop per extra bit first
+        spare = limit - cost(alloc)
+        best = None
+        for n in names:
+            for k in options[n]:
+                extra = sizes[n] * (bits_per_weight(k, absmax_format)
+                                    - bits_per_weight(alloc[n], absmax_format))
+                if 0 < extra <= spare * (1 + 1e-12):
+                    gain = (errors[n][alloc[n]] - errors[n][k]) / extra
+                    if gain > 0 and (best is None or gain > best[0]):
+                        best = (gain, n, k)
+        if best is None:
+            return alloc
+        alloc[best[1]] = best[2]
+
+
+def quantize_mixed(
+    weights: Mapping[str, object],
+    hessians: Mapping[str, object],
+    budget: float,
+    ks=(2, 3, 4, 5),
+    *,
+    codebooks: Mapping[int, object] | None = None,
+    sensitivity: str = "relative",
+    absmax_format: str = "e4m4",
+    **gptq_options,
+):
+    """GPTQ every layer at every ``k`` in ``ks``, then keep ``allocate_bits``' choice.
+
+    ``weights[name]``: ``[N, K_dim]`` arrays; ``hessians[name]``: their
+    ``H`` (arrays or ``HessianAccumulator``); ``budget``: average stored bits
+    per weight; ``codebooks[k]``: starting codebook per ``k`` (default NF);
+    ``sensitivity``: ``"relative"`` (H-weighted error over
+    ``trace(W H W^T)``, the layer's output noise-to-signal) or
+    ``"absolute"`` (the H-weighted error itself); the rest goes to
+    ``gptq_quantize``.
+
+    Returns ``(quantized, report)``: ``{name: KbitWeight}`` and a dict with
+    ``allocation`` ``{name: k}``, ``bits_per_weight`` (achieved average),
+    ``budget`` and ``errors`` ``{name: {k: sensitivity}}``.
+    """
+    if sensitivity not in ("relative", "absolute"):
+        raise ValueError(f'sensitivity must be "relative" or "absolute", got {sensitivity!r}')
+    codebooks = codebooks or {}
+    results, errors, sizes = {}, {}, {}
+    for name, W in weights.items():
+        H = hessians[name]
+        H = H.hessian if isinstance(H, HessianAccumulator) else H
+        xp = array_module(W)
+        W32 = W.astype(xp.float32)
+        signal = float(((W32.astype(xp.float64) @ H.astype(xp.float64)) * W32).sum())
+        sizes[name] = int(W.size)
+        errors[name], results[name] = {}, {}
+        for k in ks:
+            weight, rep = gptq_quantize(W, k, codebooks.get(k), hessian=H,
+                                        absmax_format=absmax_format, return_report=True,
+                                        **gptq_options)
+            results[name][k] = weight
+            errors[name][k] = rep.error / signal if sensitivity == "relative" and signal > 0 \
+                else rep.error
+    alloc = allocate_bits(errors, sizes, budget, absmax_format)
+    achieved = sum(sizes[n] * bits_per_weight(alloc[n], absmax_format) for n in alloc) / sum(
+        sizes.values())
+    report = {"allocation": alloc, "bits_per_weight": achieved, "budget": float(budget),
+              "errors": errors}
+    return {n: results[n][alloc[n]] for n in weights}, report
+
+
+__all__ = [
+    "GPTQReport",
+    "HessianAccumulator",
+    "allocate_bits",
+    "bits_per_weight",
+    "gptq_quantize",
+    "hessian_error",
+    "quantize_mixed",
+]
+
