@@ -80,6 +80,8 @@ def _open_temporary(target: str) -> tuple[int, str]:
             return os.open(temp, flags, 0o666), temp  # 0o666 & ~umask, as open(path, "w")
         except FileExistsError:
             continue
+        except OSError as exc:  # a missing directory, no permission: name the file asked for
+            raise type(exc)(exc.errno, exc.strerror, target) from None
 
 
 @contextlib.contextmanager

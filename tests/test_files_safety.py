@@ -206,6 +206,13 @@ def test_atomic_write_refuses_a_directory_or_fifo_target(tmp_path):
     assert _listing(tmp_path) == ["pipe"]
 
 
+def test_write_errors_name_the_target_not_the_temporary(tmp_path):
+    missing = tmp_path / "no" / "such" / "model.safetensors"
+    with pytest.raises(FileNotFoundError) as info:
+        save_quantized(missing, _model())
+    assert info.value.filename == str(missing)
+
+
 def test_bench_results_are_written_atomically(tmp_path, monkeypatch):
     import errno
 
