@@ -462,15 +462,14 @@ def save_quantized(
                 )
             owner[tensor_name] = name
             tensors[tensor_name] = _host_tensor(path, tensor_name, array)
-    checksums = {name: _checksum(name, array) for name, array in tensors.items()}
+    checksums = {name: _checksum(path, name, array) for name, array in tensors.items()}
     document = {"format_version": FORMAT_VERSION, "weights": weights, _CHECKSUM_KEY: checksums}
     _write(path, tensors, {**user_metadata, METADATA_KEY: json.dumps(document)})
 
 
-def _checksum(name: str, array: np.ndarray) -> str:
+def _checksum(path, name: str, array: np.ndarray) -> str:
     """CRC-32 of ``"NAME DTYPE [SHAPE]"`` then the bytes, as 8 hex digits."""
-    dtype_name = next(key for key, dtype in SAFETENSORS_DTYPES.items() if dtype == array.dtype)
-    crc = zlib.crc32(f"{name} {dtype_name} {list(array.shape)}".encode())
+    crc = zlib.crc32(f"{name} {_dtype_name(path, name, array.dtype)} {list(array.shape)}".encode())
     crc = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8), crc)
     return f"{crc:08x}"
 
@@ -518,7 +517,7 @@ def _verifier(path, checksums: dict[str, str]) -> Callable[[str, np.ndarray], No
         if name not in checksums:
             raise _bad_file(path, f"tensor {name!r} has no checksum in the kbit_cupy metadata "
                                   "(a damaged name, or a tensor added after saving)", _RESAVE)
-        actual = _checksum(name, array)
+        actual = _checksum(path, name, array)
         if actual != checksums[name]:
             raise _bad_file(
                 path, f"tensor {name!r} fails its checksum (stored crc32 {checksums[name]}, "
