@@ -207,4 +207,4 @@ def test_gpu_path_is_deterministic_exact_in_the_format_and_beats_rtn():
         on_cpu = gptq_quantize(W, 3, hessian=H, **options)
         error_gpu = kc.hessian_error(W, host, H)
         assert error_gpu <= kc.hessian_error(W, kc.quantize_weight(W, 3), H)
-        assert error_gpu <= 1.05 * kc.hessian_error(W, on_cpu, H)
+        assert error_gpu <= 1.1 * kc.hessian_error(W, on_cpu, H)
