@@ -204,6 +204,21 @@ def cmd_bench_moe(args) -> int:
     return run(args)
 
 
+def cmd_bench_decode(args) -> int:
+    """A Llama-3-8B-shaped decode step (224 linear calls) eager and as one graph, fp16 vs k-bit, and host cost per call."""
+    from ._arrays import gpu_available
+
+    if not gpu_available():
+        print("bench-decode needs a CUDA GPU; none found.", file=sys.stderr)
+        return 1
+    from .bench_decode import run
+
+    bits = ["fp16" if b == "fp16" else int(b) for b in args.bits]
+    run(args.out, bits, args.m, host=not args.no_host_cost, step=not args.no_step,
+        calls=args.calls)
+    return 0
+
+
 def cmd_plot(args) -> int:
     """Speedup and roofline PNGs from bench results (no GPU needed)."""
     from .plots import plot_results
@@ -335,6 +350,16 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=_int_in(1, MAX_REPS), default=20)
     p.add_argument("--out", default=None, help="path prefix for .json and .md results")
     p.set_defaults(func=cmd_bench_moe)
+    p = sub.add_parser("bench-decode", help=cmd_bench_decode.__doc__)
+    p.add_argument("--bits", nargs="+", default=["fp16", "4", "3", "2"],
+                   choices=["fp16", "2", "3", "4", "5"])
+    p.add_argument("--m", nargs="+", type=_int_in(1, 4096), default=[1, 4, 16, 64])
+    p.add_argument("--calls", type=_int_in(100, 1_000_000), default=10_000,
+                   help="back-to-back calls per host-cost figure")
+    p.add_argument("--no-host-cost", action="store_true", help="skip the host-cost table")
+    p.add_argument("--no-step", action="store_true", help="skip the decode step")
+    p.add_argument("--out", default=None, help="path prefix for .json and .md results")
+    p.set_defaults(func=cmd_bench_decode)
     p = sub.add_parser("plot", help=cmd_plot.__doc__)
     p.add_argument("results", nargs="+", help="JSON files written by bench --out")
     p.add_argument("--out-dir", default=".", help="where the PNGs go")

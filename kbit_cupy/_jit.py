@@ -224,7 +224,7 @@ def get_kernel(family: str, *template_args):
     """Compiled ``cupy.RawKernel`` for one variant on the current device (cached)."""
     import cupy
 
-    device = cupy.cuda.Device().id
+    device = cupy.cuda.runtime.getDevice()
     key = (family, template_args, device)
     kernel = _kernels.get(key)
     if kernel is None:

@@ -19,17 +19,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _jit
+from . import _jit, _launch
 from ._arrays import array_module, as_module_array, same_module, to_host
 from .format import BLOCK, check_codebook, check_k
 from .gemm import (
-    _NULL,
+    _GEMM_ARG_TYPES,
     K_PER_TILE,
     KbitWeight,
     _check_shape,
     _counters,
     _KbitArrays,
     _tile_counts,
+    _workspace,
     check_activation_dtype,
     check_same_place,
     launch_ctas_per_sm,
@@ -49,12 +50,10 @@ _FUSED_ROUTE_MAX_PAIRS = 256
 
 def _check_device(name: str, arr) -> None:
     """A CuPy input must live on the current device (where the kernels run)."""
-    import cupy
-
-    if arr.device.id != cupy.cuda.Device().id:
-        raise ValueError(f"{name} is on GPU {arr.device.id}, not the current one "
-                         f"({cupy.cuda.Device().id}); move it with cupy.asarray under the right "
-                         "cupy.cuda.Device")
+    dev = _launch.current_device()
+    if arr.data.device_id != dev:
+        raise ValueError(f"{name} is on GPU {arr.data.device_id}, not the current one "
+                         f"({dev}); move it with cupy.asarray under the right cupy.cuda.Device")
 
 
 @dataclass
@@ -75,6 +74,8 @@ class KbitExperts(_KbitArrays):
     k: int
     shape: tuple[int, int, int]  # (E, N, K_dim)
     _tiles: tuple | None = field(default=None, repr=False)
+    # grouped launches per (rows, dtype, routing form, stream), built on a first call
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.k = check_k(self.k)
@@ -199,7 +200,7 @@ def _check_inputs(A, experts: KbitExperts):
 def _output(xp, out, shape: tuple, dtype):
     """``out`` checked, or a new array."""
     if out is None:
-        return xp.empty(shape, dtype=dtype)
+        return xp.empty(shape, dtype=dtype) if xp is np else _launch.empty(shape, dtype)
     if array_module(out) is not xp:
         raise TypeError("out must be in the same module as A")
     if out.shape != shape or out.dtype != dtype:
@@ -215,7 +216,8 @@ def _integer_array(xp, arr, name: str, other: str):
     """``arr`` as an integer array of ``xp`` on the current device (TypeError otherwise)."""
     if array_module(arr) is not xp:
         raise TypeError(f"{name} must be in the same module as {other} (NumPy or CuPy)")
-    arr = xp.asarray(arr)
+    if type(arr) is not xp.ndarray:
+        arr = xp.asarray(arr)
     if xp is not np:
         _check_device(name, arr)
     if arr.dtype.kind not in "iu":
@@ -235,7 +237,14 @@ def _check_offsets(xp, offsets, E: int, T: int, validate: bool):
                 f"group_offsets must rise from 0 to T={T} (expert e owns rows offsets[e] .. "
                 f"offsets[e+1] - 1 of A), got {host.tolist() if E < 16 else host}"
             )
-    return xp.ascontiguousarray(offsets.astype(xp.int32, copy=False))
+    if xp is np or (offsets.dtype == np.int32 and offsets.flags.c_contiguous):
+        return xp.ascontiguousarray(offsets.astype(xp.int32, copy=False))
+    # converted into a buffer kept per stream: a graph captured here reads it
+    buf = _launch.stream_buffer("moe_group_offsets", 4 * (E + 1), _launch.current_stream_ptr())
+    converted = buf.view(np.int32)[:E + 1]
+    with _launch.relaxed():  # CuPy compiles the copy kernel on its first call
+        converted[...] = offsets
+    return converted
 
 
 def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate: bool = True):
@@ -305,11 +314,29 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     R rows, with it sorted row g is row ``row_ids[g]`` of C and
     ``row_ids[g] // ids_per_row`` of A (moe_linear). With ``route_ids`` (R int32
     expert ids) instead of ``offsets`` and ``row_ids``, every CTA groups the
-    pairs itself (moe_linear with few pairs)."""
-    import cupy as cp
+    pairs itself (moe_linear with few pairs). The launch is planned once per
+    (rows, dtype, routing form, device, stream); a call sets its pointers."""
+    stream = _launch.current_stream_ptr()
+    key = (C.shape[0], A.dtype, route_ids is not None, ids_per_row, _launch.current_device(),
+           stream)
+    launch = experts._plans.get(key)
+    if launch is None:
+        with _launch.setup_scope():  # one-time work stays out of a graph being captured
+            launch = _grouped_launch(experts, A.dtype, C.shape[0], route_ids is not None,
+                                     ids_per_row, stream)
+        experts._plans[key] = launch
+    launch.set(3, A.data.ptr)
+    launch.set(4, C.data.ptr)
+    launch.set(15, _launch.device_pointer(offsets))
+    launch.set(17, _launch.device_pointer(row_ids))
+    launch.set(19, _launch.device_pointer(route_ids))
+    launch(stream)
 
+
+def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_row: int,
+                    stream: int):
+    """The grouped launch's Launch for ``T`` rows of C (pointers set per call)."""
     E, N, K_dim = experts.shape
-    T = C.shape[0]
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     m_tiles = grouped_m_tiles(T, E)
@@ -326,11 +353,11 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
             or max_problems * _WARPS * 32 >= 2**31):
         raise ValueError(f"too much work for one grouped launch ({E} experts of [{N}, {K_dim}], "
                          f"{T} rows); split the rows into several calls")
-    kern = _jit.get_kernel("gemm_mma", experts.k, A.dtype.name, experts.absmax.dtype.name,
+    kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
                            m_tiles, 1, 0, True)
-    stage = m_tiles * 8 * K_PER_TILE * A.dtype.itemsize
+    stage = m_tiles * 8 * K_PER_TILE * dtype.itemsize
     # two activation stages, then the problem tables (and the routed ids and order)
-    shared = 2 * stage + 2 * (E + 1) * 4 + (2 * T * 4 if route_ids is not None else 0)
+    shared = 2 * stage + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
     limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     if kern.shared_size_bytes + shared > limit:
         raise ValueError(
@@ -340,15 +367,12 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     # Every resident CTA: the kernel, knowing the unit count, uses all (stream-K) or
     # one per group (gemm_mma.cu, "Grouped launch").
     ctas = _sm_count() * launch_ctas_per_sm(kern, _WARPS * 32, shared)
-    workspace = cp.empty(2 * ctas * _WARPS * m_tiles * 32 * 4, dtype=cp.float32)
-    counters = _counters(max_problems * rt_n)
-    kern((ctas, 1), (_WARPS * 32,),
-         (tiles, scales, experts.codebook, A, C, np.int32(T), np.int32(N), np.int32(K_dim),
-          np.int32(rt_n), np.int32(kt_n), np.int32(kt_n), np.int32(_sm_count()),
-          np.int32(max_problems),
-          workspace, counters, _NULL if offsets is None else offsets, np.int32(E),
-          _NULL if row_ids is None else row_ids, np.int32(ids_per_row),
-          _NULL if route_ids is None else route_ids, _NULL), shared_mem=shared)
+    workspace = _workspace(2 * ctas * _WARPS * m_tiles * 32 * 4, stream)
+    counters = _counters(max_problems * rt_n, stream)
+    return _launch.Launch(
+        kern, (ctas, 1), (_WARPS * 32,), shared, _GEMM_ARG_TYPES,
+        (tiles, scales, experts.codebook, 0, 0, T, N, K_dim, rt_n, kt_n, kt_n, _sm_count(),
+         max_problems, workspace, counters, 0, E, 0, ids_per_row, 0, 0))
 
 
 # --------------------------------------------------------------------------
@@ -364,9 +388,19 @@ def _ids_kernel():
                                 "kbit_ids_to_int32")
 
 
-def _ids_to_int32(ids, experts):
-    """Expert ids as int32, those outside [0, experts) as -1 (one launch)."""
-    return _ids_kernel()(ids, experts)
+def _ids_int32(topk_ids, experts: int):
+    """The flat ids as contiguous int32 for the kernels: int32 ids as they are,
+    wider ones converted with those outside [0, experts) as -1 (they must not
+    wrap into range), into a buffer kept per stream (one launch)."""
+    import cupy as cp
+
+    flat = topk_ids.reshape(-1)
+    if flat.dtype == cp.int32:
+        return cp.ascontiguousarray(flat)
+    stream = _launch.current_stream_ptr()
+    out = _launch.stream_buffer("moe_ids", 4 * flat.size, stream).view(cp.int32)[:flat.size]
+    with _launch.relaxed():  # CuPy compiles the kernel on its first call
+        return _ids_kernel()(flat, np.int64(experts), out)
 
 
 def route_pairs(topk_ids, experts: int):
@@ -388,12 +422,12 @@ def route_pairs(topk_ids, experts: int):
                          f"{experts}; group the rows yourself and call kbit_grouped_gemm")
     if topk_ids.size >= 2**31:
         raise ValueError(f"routing on the GPU takes fewer than 2**31 choices, got {topk_ids.size}")
-    flat = topk_ids.reshape(-1)
-    # int32 for the kernel; wider ids outside [0, experts) must not wrap into range
-    ids = flat if flat.dtype == cp.int32 else _ids_to_int32(flat, np.int64(experts))
-    ids = cp.ascontiguousarray(ids)
-    offsets = cp.empty(int(experts) + 1, dtype=cp.int32)
-    order = cp.empty(ids.size, dtype=cp.int32)
+    ids = _ids_int32(topk_ids, experts)
+    # kept per stream, not freed after the call: a graph captured here writes them
+    stream = _launch.current_stream_ptr()
+    offsets = _launch.stream_buffer("moe_offsets", 4 * (int(experts) + 1), stream)
+    offsets = offsets.view(cp.int32)[:int(experts) + 1]
+    order = _launch.stream_buffer("moe_order", 4 * ids.size, stream).view(cp.int32)[:ids.size]
     route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
     route((1,), (_jit.MOE_ROUTE_THREADS,),
           (ids, np.int32(ids.size), np.int32(experts), np.int32(warps), offsets, order),
@@ -463,13 +497,12 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
         x = x.copy()
     rows = C.reshape(T * top_k, N)
     if T * top_k <= _FUSED_ROUTE_MAX_PAIRS:  # one launch: each CTA groups the pairs itself
-        flat = topk_ids.reshape(-1)
-        ids = flat if flat.dtype == cp.int32 else _ids_to_int32(flat, np.int64(E))
-        _launch_grouped(x, experts.prepare(), None, rows, None, top_k,
-                        route_ids=cp.ascontiguousarray(ids))
+        _launch_grouped(x, experts, None, rows, None, top_k, route_ids=_ids_int32(topk_ids, E))
     else:
+        with _launch.setup_scope():  # compiles the routing kernel once, outside a capture
+            _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
         offsets, order = route_pairs(topk_ids, E)
-        _launch_grouped(x, experts.prepare(), offsets, rows, order, top_k)
+        _launch_grouped(x, experts, offsets, rows, order, top_k)
     return C
 
 

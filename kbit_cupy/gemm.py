@@ -20,10 +20,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _jit
-from ._arrays import BFLOAT16, array_module, as_module_array, is_device_array, same_module, to_host
+from . import _jit, _launch
+from ._arrays import (
+    BFLOAT16,
+    array_module,
+    as_module_array,
+    check_array,
+    check_shape,
+    is_device_array,
+    same_module,
+    to_host,
+)
 from .format import BLOCK, check_codebook, check_k
-from .quantize import _dequantize_cuda, _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
+from .quantize import _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
 
 ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
@@ -99,8 +108,10 @@ def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
     ``unpack_from_gemm`` inverts it exactly.
     """
     k = check_k(k)
-    N, K_dim = int(N), int(K_dim)
+    N, K_dim = check_shape((N, K_dim), "(N, K_dim)")
     _check_shape(k, N, K_dim)
+    check_array(packed, "packed")
+    check_array(absmax, "absmax")
     xp = array_module(packed)
     nblocks = N * K_dim // BLOCK
     if packed.shape != (nblocks * k,) or absmax.shape != (nblocks,):
@@ -159,8 +170,19 @@ def unpack_from_gemm(tiles, scales, k: int, N: int, K_dim: int):
 # the weight object
 
 
+_WEIGHT_FIELDS = frozenset(("packed", "absmax", "codebook", "k", "shape"))
+
+
 class _KbitArrays:
     """What the quantized-tensor objects share: ``packed``, ``absmax``, ``codebook``, ``shape``."""
+
+    def __setattr__(self, name, value):
+        # Changing the arrays, k or shape makes the tiled copy and the launch
+        # plans stale: drop them (they are rebuilt on the next call).
+        if name in _WEIGHT_FIELDS and "_plans" in self.__dict__:
+            self.__dict__["_plans"] = {}
+            self.__dict__["_tiles"] = None
+        object.__setattr__(self, name, value)
 
     @property
     def absmax_format(self) -> str:
@@ -193,10 +215,13 @@ class KbitWeight(_KbitArrays):
     k: int
     shape: tuple[int, int]
     _tiles: tuple | None = field(default=None, repr=False)
+    # kbit_gemm's launch plans, per (A's shape and dtype, kernel, stream): what
+    # depends only on those is resolved on a first call and reused
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.k = check_k(self.k)
-        N, K_dim = (int(d) for d in self.shape)
+        N, K_dim = check_shape(self.shape, "shape", ndim=2)
         self.shape = (N, K_dim)
         _check_shape(self.k, N, K_dim)
         xp, self.packed = as_module_array(self.packed, "packed")
@@ -262,9 +287,9 @@ def check_same_place(xp, A, packed, noun: str, lives: str, move: str) -> None:
         where = "GPU" if is_device_array(packed) else "host"
         raise TypeError(f"A and {noun} must live in the same place; {lives} on the {where} "
                         f"(use {move} or pass a NumPy A)")
-    if xp is not np and A.device.id != packed.device.id:
-        raise ValueError(f"A is on GPU {A.device.id} but the {noun} on GPU {packed.device.id}; "
-                         f"call {move} under the right cupy.cuda.Device")
+    if xp is not np and A.data.device_id != packed.data.device_id:
+        raise ValueError(f"A is on GPU {A.data.device_id} but the {noun} on GPU "
+                         f"{packed.data.device_id}; call {move} under the right cupy.cuda.Device")
 
 
 def launch_ctas_per_sm(kern, threads: int, shared: int) -> int:
@@ -289,12 +314,16 @@ def _check_activations(A, weight: KbitWeight, out):
     check_same_place(xp, A, weight.packed, "weight", "the weight is", "weight.to_device()")
     out_shape = A.shape[:-1] + (N,)
     if out is not None:
+        check_array(out, "out")
         if array_module(out) is not xp:
             raise TypeError("out must be in the same module as A")
         if out.shape != out_shape or out.dtype != A.dtype:
             raise ValueError(f"out must have shape {out_shape} and dtype {A.dtype}, got {out.shape} {out.dtype}")
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
+        if xp is not np and out.data.device_id != A.data.device_id:
+            raise ValueError(f"out is on GPU {out.data.device_id} but A on GPU {A.data.device_id}; "
+                             "allocate out on A's device")
     return xp, A, out_shape
 
 
@@ -319,46 +348,156 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     layout; unknown ``kernel``; ``kernel="wgmma"`` on a GPU other than sm_90;
     A and weight on different GPUs).
     """
+    plans = getattr(weight, "_plans", None)
+    if plans and type(A) is _cupy_ndarray:  # the fast path: a plan resolved everything else
+        stream = _get_current_stream()
+        plan = plans.get((A.shape, A.dtype, kernel, stream.ptr))
+        if plan is not None and type(weight) is KbitWeight:
+            C = plan(A, out, stream)
+            if C is not None:
+                return C
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     xp, A, out_shape = _check_activations(A, weight, out)
     N, K_dim = weight.shape
     A2 = A.reshape(-1, K_dim)
     M = A2.shape[0]
-    C = out if out is not None else xp.empty(out_shape, dtype=A.dtype)
-    if M == 0:
+    if xp is np or M == 0:
+        C = out if out is not None else xp.empty(out_shape, dtype=A.dtype)
+        if M:
+            w = weight.dequantize(np.float32)
+            C.reshape(M, N)[...] = (A2.astype(np.float32) @ w.T).astype(A.dtype)
         return C
-    C2 = C.reshape(M, N)
-    if xp is np:
-        w = weight.dequantize(np.float32)
-        C2[...] = (A2.astype(np.float32) @ w.T).astype(A.dtype)
-        return C
+    _check_current_device(A)
     if kernel == "wgmma" and not has_wgmma():  # "auto" asks choose_kernel, which asks the GPU
         raise ValueError("kernel='wgmma' needs a Hopper GPU (sm_90: H100, H200); use 'mma' or 'auto'")
-    choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, A.dtype)
-    A2 = xp.ascontiguousarray(A2)
-    if A2.data.ptr % 16:
-        A2 = A2.copy()
-    if choice == "dequant":
-        w = xp.empty(weight.shape, dtype=A.dtype)  # scratch, from CuPy's memory pool
-        _dequantize_cuda(weight.packed, weight.absmax, weight.codebook, weight.k, w.size,
-                         w.reshape(-1))
-        xp.matmul(A2, w.T, out=C2)
-        return C
-    weight.prepare()
-    wg = choice == "wgmma"
-    if wg:
-        # rows per launch; the 129..256-row launches load A through a tensor
-        # map, and their setmaxnreg budgets need the register count ptxas gave
-        step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
-        if M > step and _tensor_maps_available() and _slab_launch_ok(weight, A.dtype.name):
-            step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
-    else:
-        step = _MMA_MAX_M
-    for m0 in range(0, M, step):
-        m1 = min(M, m0 + step)
-        _launch_mma(A2[m0:m1], weight, C2[m0:m1], wg)
+    stream = xp.cuda.get_current_stream()  # (inside setup_scope it would be the side stream)
+    with _launch.setup_scope():  # one-time work stays out of a graph being captured
+        plan = _GemmPlan(weight, M, A.dtype, kernel, stream.ptr, out_shape)
+    _remember_cupy(xp)
+    if A.flags.c_contiguous and A.data.ptr % 16 == 0:
+        weight._plans[(A.shape, A.dtype, kernel, stream.ptr)] = plan
+    else:  # copied, every call: the fast path takes contiguous, 16-byte aligned A only
+        A = xp.ascontiguousarray(A2).reshape(A.shape)
+        if A.data.ptr % 16:
+            A = A.copy()
+    C = plan(A, out, stream)
+    if C is None:
+        raise TypeError(f"out must be a C-contiguous CuPy array, got {type(out).__name__}")
     return C
+
+
+_cupy_ndarray = None  # cupy.ndarray once a GPU call has run (the fast path's type test)
+_get_current_stream = None
+
+
+def _remember_cupy(cp) -> None:
+    global _cupy_ndarray, _get_current_stream
+    _cupy_ndarray, _get_current_stream = cp.ndarray, cp.cuda.get_current_stream
+
+
+def _check_current_device(A) -> None:
+    """The kernels run on the current device: A must live there."""
+    dev = _launch.current_device()
+    if A.data.device_id != dev:
+        raise ValueError(f"A is on GPU {A.data.device_id} but the current device is GPU {dev}; "
+                         "call kbit_gemm under cupy.cuda.Device(A.device.id)")
+
+
+class _GemmPlan:
+    """Everything ``kbit_gemm`` needs for one (weight, A shape and dtype,
+    kernel, device, stream), resolved once: the kernel choice, compiled
+    kernels, launch geometry and argument blocks, workspaces, the dequantize
+    scratch. A call checks A and ``out`` against it with a few comparisons,
+    allocates C (unless given) and launches."""
+
+    def __init__(self, weight: KbitWeight, M: int, dtype, kernel: str, stream: int, out_shape):
+        N, K_dim = weight.shape
+        self.device = _launch.current_device()
+        self.dtype = dtype
+        self.out_shape = out_shape
+        self.out_strides = _c_strides(out_shape, dtype.itemsize)
+        self.out_nbytes = math.prod(out_shape) * dtype.itemsize
+        self.a_strides = _c_strides(out_shape[:-1] + (K_dim,), dtype.itemsize)
+        self.M, self.N, self.K_dim = M, N, K_dim
+        self.choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, dtype)
+        self.launches = []  # (Launch, first row, rows, tensor-map n8 tiles or 0)
+        self.scratch = None
+        if self.choice == "dequant":
+            nbytes = N * K_dim * dtype.itemsize
+            buf = _launch.stream_buffer("dequant", nbytes, stream)
+            self.scratch = buf[:nbytes].view(dtype).reshape(N, K_dim)
+            self.dequant = _dequantize_launch(weight.packed, weight.absmax, weight.codebook,
+                                              weight.k, N * K_dim, self.scratch.reshape(-1))
+            _launch.blas().bind(stream)  # creates the handle and the stream's workspace now
+            return
+        weight.prepare()
+        wg = self.choice == "wgmma"
+        if wg:
+            # rows per launch; the 129..256-row launches load A through a tensor
+            # map, and their setmaxnreg budgets need the register count ptxas gave
+            step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
+            if M > step and _tensor_maps_available() and _slab_launch_ok(weight, dtype.name):
+                step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
+        else:
+            step = _MMA_MAX_M
+        for m0 in range(0, M, step):
+            rows = min(M, m0 + step) - m0
+            launch, map_tiles = _plan_launch(rows, weight, dtype, wg, stream)
+            self.launches.append((launch, m0, rows, map_tiles))
+
+    def __call__(self, A, out, stream):
+        """C for A (and ``out``) of the shapes this plan was built for, launched
+        on ``stream`` (the current stream object); None, before anything is
+        written, when A or ``out`` is not what the plan takes (not contiguous,
+        not 16-byte aligned, another device, ``out`` of another shape, dtype
+        or layout): the caller then takes the checked path."""
+        a_mem = A.data
+        a = a_mem.ptr
+        if (A.strides != self.a_strides or a & 15 or a_mem.device_id != self.device
+                or _launch.current_device() != self.device):
+            return None
+        if out is None:
+            C = _launch.empty(self.out_shape, self.dtype, self.out_nbytes, stream)
+        elif (type(out) is type(A) and out.shape == self.out_shape and out.dtype == self.dtype
+                and out.strides == self.out_strides and out.data.device_id == self.device):
+            C = out
+        else:
+            return None
+        c = C.data.ptr
+        stream = stream.ptr
+        K_bytes, N_bytes = self.K_dim * self.dtype.itemsize, self.N * self.dtype.itemsize
+        if self.scratch is not None:
+            self.dequant(stream)
+            _launch.cublas_gemm(self.M, self.N, self.K_dim, self.dtype.name, a,
+                                self.scratch.data.ptr, c, stream)
+            return C
+        for launch, m0, rows, map_tiles in self.launches:
+            launch.set(_ARG_A, a + m0 * K_bytes)
+            launch.set(_ARG_C, c + m0 * N_bytes)
+            if map_tiles:
+                launch.set(_ARG_MAP, _activation_map(a + m0 * K_bytes, rows, self.K_dim, map_tiles))
+            launch(stream)
+        return C
+
+
+def _c_strides(shape, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+def _dequantize_launch(packed, absmax, codebook, k: int, n: int, flat_out):
+    """A Launch of the dequantize kernel (see quantize._dequantize_cuda)."""
+    from .quantize import _dequantize_geometry
+
+    kernel = _jit.get_kernel("dequantize", k, flat_out.dtype.name, absmax.dtype.name)
+    grid, block = _dequantize_geometry(n)
+    P, I32, I64 = _launch.POINTER, _launch.INT32, _launch.INT64
+    return _launch.Launch(kernel, grid, block, 0, (P, P, P, I64, P, I32),
+                          (packed, absmax, codebook, n, flat_out, int(flat_out.data.ptr % 16 == 0)))
 
 
 _wgmma_cache: dict[int, bool] = {}
@@ -368,10 +507,10 @@ def has_wgmma() -> bool:
     """Whether the current GPU runs the wgmma kernel (compute capability 9.0)."""
     import cupy as cp
 
-    device = cp.cuda.Device()
-    found = _wgmma_cache.get(device.id)
+    dev = _launch.current_device()
+    found = _wgmma_cache.get(dev)
     if found is None:
-        found = _wgmma_cache[device.id] = device.compute_capability == "90"
+        found = _wgmma_cache[dev] = cp.cuda.Device(dev).compute_capability == "90"
     return found
 
 
@@ -464,30 +603,36 @@ def _device_has_wgmma() -> bool:
 
 
 _NULL = np.uint64(0)  # a null pointer kernel argument (the grouped launch's inputs)
-_counter_cache: dict[tuple[int, int], object] = {}
 _resident_cache: dict[tuple[int, int], int] = {}  # (kernel, dynamic shared) -> CTAs per SM
+# gemm_mma.cu's parameters that change per call: A, C and A's tensor map
+_ARG_A, _ARG_C, _ARG_MAP = 3, 4, 20
+_GEMM_ARG_TYPES = (
+    (_launch.POINTER,) * 5 + (_launch.INT32,) * 8 + (_launch.POINTER,) * 3 + (_launch.INT32,)
+    + (_launch.POINTER, _launch.INT32) + (_launch.POINTER,) * 2)
 
 
-def _counters(n: int):
+def _counters(n: int, stream: int | None = None):
     """Zeroed int32 arrival counters for split K, one buffer per (device, stream).
 
     The kernel's last arriving warp resets its counter, so the buffer is zero
     again when the launch ends and the next launch on the same stream (which
     runs after it) reuses it without a memset. Other streams get their own.
+    ``stream``: the stream's handle (default: the current stream's).
     """
-    import cupy as cp
+    stream = _launch.current_stream_ptr() if stream is None else stream
+    buf = _launch.stream_buffer("counters", 4 * max(n, 4096), stream, zeroed=True)
+    return buf.view(np.int32)
 
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
-    buf = _counter_cache.get(key)
-    if buf is None or buf.size < n:
-        buf = _counter_cache[key] = cp.zeros(max(n, 4096), dtype=cp.int32)
-    return buf
+
+def _workspace(nfloats: int, stream: int):
+    """fp32 partials of split groups, shared by the launches of one stream."""
+    return _launch.stream_buffer("gemm_partials", 4 * nfloats, stream).view(np.float32)
 
 
 _STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the load model)
 
 
-@functools.cache  # pure, and on every launch's host path
+@functools.cache  # pure
 def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, int, int]:
     """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
     for stream-K).
@@ -518,12 +663,10 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, i
     return s * per, groups * s, s
 
 
-def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
-    """One launch of gemm_mma.cu for up to 64 rows of A (wg: the wgmma path,
-    up to 256 rows; 129..256 warp-specialised, which needs a tensor map of A)."""
-    import cupy as cp
-
-    M = A.shape[0]
+def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
+    """(Launch, tensor-map n8 tiles or 0) of gemm_mma.cu for ``M`` rows of A:
+    up to 64 (mma) or 256 (wg: the wgmma path; 129..256 warp-specialised,
+    which needs a tensor map of A per call). A and C are set per call."""
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
@@ -532,7 +675,7 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
                        if 8 * t >= M)
         wgs = _WG_WARPGROUPS or _jit.gemm_wg_warpgroups(m_tiles, weight.k)
         per_warp, warps = 1, 4 * wgs
-        kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
+        kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
                                m_tiles, 1, wgs)
     else:
         m_tiles = next(t for t in _jit.GEMM_M_TILES if 8 * t >= M)
@@ -540,15 +683,15 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
         # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
         per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
         warps = _WARPS
-        kern = _jit.get_kernel("gemm_mma", weight.k, A.dtype.name, weight.absmax.dtype.name,
+        kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
                                m_tiles, per_warp)
     # mma: two stages of a K tile's activations; wgmma: three, or a ring of
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
     # swizzle) by the kernel
     if wg:
-        shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, A.dtype.itemsize)
+        shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, dtype.itemsize)
     else:
-        shared = 2 * m_tiles * 8 * K_PER_TILE * A.dtype.itemsize
+        shared = 2 * m_tiles * 8 * K_PER_TILE * dtype.itemsize
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps
     threads = _jit.gemm_wg_threads(m_tiles, wgs) if wg else warps * 32
@@ -561,20 +704,18 @@ def _launch_mma(A, weight: KbitWeight, C, wg: bool = False) -> None:
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
     # fp32 partials of split groups: two slots per CTA (its first and last group)
-    workspace = cp.empty(2 * ctas * warps * per_warp * m_tiles * 32 * 4, dtype=cp.float32)
-    counters = _counters(rt_n)
+    workspace = _workspace(2 * ctas * warps * per_warp * m_tiles * 32 * 4, stream)
+    counters = _counters(rt_n, stream)
     grid = (groups, splits) if splits > 1 else (ctas, 1)  # gemm_mma.cu: CTA (group, segment)
-    a_map = _activation_map(A, m_tiles) if threads > warps * 32 else _NULL
-    kern(grid, (threads,), (tiles, scales, weight.codebook, A, C, np.int32(M), np.int32(N),
-                                   np.int32(K_dim), np.int32(rt_n), np.int32(kt_n), np.int32(group_units),
-                                   np.int32(units // ctas),
-                                   np.int32(units % ctas),
-                                   workspace, counters, _NULL, np.int32(0), _NULL, np.int32(1),
-                                   _NULL, a_map),
-         shared_mem=shared)
+    map_tiles = m_tiles if threads > warps * 32 else 0
+    launch = _launch.Launch(
+        kern, grid, (threads,), shared, _GEMM_ARG_TYPES,
+        (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
+         units // ctas, units % ctas, workspace, counters, 0, 0, 0, 1, 0, 0))
+    return launch, map_tiles
 
 
-_map_cache: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_map_cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
 _MAP_CACHE_SIZE = 64
 _libcuda = None
 
@@ -600,16 +741,14 @@ def _libcuda_encoder():
 _slab_ok_cache: dict[tuple, bool] = {}
 
 
-def _slab_launch_ok(weight: "KbitWeight", dtype_name: str) -> bool:
+def _slab_launch_ok(weight: KbitWeight, dtype_name: str) -> bool:
     """Whether the warp-specialised wgmma variants this weight would use got
     exactly the entry register cap their setmaxnreg budgets assume
     (gemm_mma.cu kConsumerRegs; the offline compile check asserts it for the
     NVRTC it runs, this for the one compiling here): with any other count
     setmaxnreg.inc would wait forever, so kbit_gemm then launches 128 rows."""
-    import cupy as cp
-
     scale = weight.absmax.dtype.name
-    key = (cp.cuda.Device().id, weight.k, dtype_name, scale)
+    key = (_launch.current_device(), weight.k, dtype_name, scale)
     found = _slab_ok_cache.get(key)
     if found is None:
         found = True
@@ -630,23 +769,37 @@ def _tensor_maps_available() -> bool:
     return _libcuda_encoder() is not None
 
 
-def _activation_map(A, m_tiles: int):
-    """Device copy of a CUDA tensor map of A ``[M, K_dim]`` (16-bit elements)
-    in boxes of 64 columns x ``8 * m_tiles`` rows, 128-byte swizzle, elements
-    outside A read as zero: what the wgmma kernel's producer warp loads with
-    the tensor copy engine (gemm_mma.cu, slab staging). Encoded by the driver
-    (``cuTensorMapEncodeTiled``; CuPy has no wrapper) and cached per (device,
-    address, shape, box), most recent 64."""
-    import ctypes
-
-    import cupy as cp
-
-    M, K_dim = A.shape
-    key = (cp.cuda.Device().id, A.data.ptr, M, K_dim, m_tiles)
+def _activation_map(a_ptr: int, M: int, K_dim: int, m_tiles: int) -> int:
+    """Device address of a CUDA tensor map of A ``[M, K_dim]`` (16-bit elements
+    at ``a_ptr``) in boxes of 64 columns x ``8 * m_tiles`` rows, 128-byte
+    swizzle, elements outside A read as zero: what the wgmma kernel's producer
+    warp loads with the tensor copy engine (gemm_mma.cu, slab staging).
+    Encoded by the driver (``cuTensorMapEncodeTiled``; CuPy has no wrapper)
+    and cached per (device, address, shape, box): the most recent 64, plus
+    every map made while a stream was being captured (a graph reads it at
+    each replay, so it is never freed)."""
+    key = (_launch.current_device(), a_ptr, M, K_dim, m_tiles)
     found = _map_cache.get(key)
     if found is not None:
         _map_cache.move_to_end(key)
-        return found
+        return found[0].data.ptr
+    found = _encode_activation_map(a_ptr, M, K_dim, m_tiles)
+    if _launch.is_capturing():
+        _captured_maps.append(found)
+    _map_cache[key] = found
+    if len(_map_cache) > _MAP_CACHE_SIZE:
+        _map_cache.popitem(last=False)
+    return found[0].data.ptr
+
+
+_captured_maps: list = []
+
+
+def _encode_activation_map(a_ptr: int, M: int, K_dim: int, m_tiles: int):
+    """(device map, its pinned host copy): the 128-byte map, encoded on the
+    host, uploaded without blocking (``_launch.upload``)."""
+    import ctypes
+
     encode = _libcuda_encoder()
     if encode is None:
         raise RuntimeError("the CUDA driver library (libcuda.so.1, CUDA 12+) is needed for "
@@ -656,19 +809,15 @@ def _activation_map(A, m_tiles: int):
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     rc = encode(
         ctypes.c_void_p(addr), ctypes.c_int(1),  # CU_TENSOR_MAP_DATA_TYPE_UINT16
-        u32(2), ctypes.c_void_p(A.data.ptr),
-        (u64 * 2)(K_dim, M), (u64 * 1)(K_dim * A.dtype.itemsize),  # sizes; row stride in bytes
+        u32(2), ctypes.c_void_p(a_ptr),
+        (u64 * 2)(K_dim, M), (u64 * 1)(K_dim * 2),  # sizes; row stride in bytes
         (u32 * 2)(64, 8 * m_tiles), (u32 * 2)(1, 1),  # box; element strides
         ctypes.c_int(0), ctypes.c_int(3),  # no interleave; 128-byte swizzle
         ctypes.c_int(2), ctypes.c_int(0))  # L2 promotion 128 B; out of bounds reads zero
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for A of shape "
-                           f"{(M, K_dim)} at {A.data.ptr:#x}")
-    found = cp.asarray(np.frombuffer(ctypes.string_at(addr, 128), dtype=np.uint8))
-    _map_cache[key] = found
-    if len(_map_cache) > _MAP_CACHE_SIZE:
-        _map_cache.popitem(last=False)
-    return found
+                           f"{(M, K_dim)} at {a_ptr:#x}")
+    return _launch.upload(np.frombuffer(ctypes.string_at(addr, 128), dtype=np.uint8))
 
 
 __all__ = [

@@ -12,11 +12,16 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _jit
+from . import _jit, _launch
 from ._arrays import (
+    BFLOAT16,
     FLOAT_DTYPES,
     FLOAT_NAMES,
     as_module_array,
+    check_array,
+    check_choice,
+    check_flat,
+    check_shape,
     float_dtype,
     host_float32,
     same_module,
@@ -48,6 +53,8 @@ def _plan_for(k: int, codebook_bytes: bytes) -> IndexPlan:
 
 
 def _check_absmax_format(absmax_format) -> str:
+    if not isinstance(absmax_format, str):
+        check_choice(absmax_format, "absmax_format", tuple(ABSMAX_FORMATS))
     if absmax_format not in ABSMAX_FORMATS:
         raise ValueError(
             f'absmax_format must be "e4m4" (uint8 scales, default) or "fp16", got {absmax_format!r}'
@@ -59,8 +66,15 @@ def _resolve_codebook(codebook, k: int, xp) -> np.ndarray:
     # The codebook is a small parameter, not data: host or device arrays and
     # lists are all accepted, whatever module the data lives in.
     if codebook is None:
-        return create_normal_float_codebook(k)
+        return _default_codebook(k)
     return check_codebook(to_host(codebook), k)
+
+
+@lru_cache(maxsize=8)
+def _default_codebook(k: int) -> np.ndarray:
+    cb = create_normal_float_codebook(k)
+    cb.flags.writeable = False  # shared by every call: never handed out to be changed
+    return cb
 
 
 _device_attrs: dict[int, dict] = {}
@@ -70,10 +84,10 @@ def _attributes() -> dict:
     """The current device's attributes, read once per device (the query is slow)."""
     import cupy
 
-    dev = cupy.cuda.Device()
-    attrs = _device_attrs.get(dev.id)
+    dev = _launch.current_device()
+    attrs = _device_attrs.get(dev)
     if attrs is None:
-        attrs = _device_attrs[dev.id] = dict(dev.attributes)
+        attrs = _device_attrs[dev] = dict(cupy.cuda.Device(dev).attributes)
     return attrs
 
 
@@ -92,7 +106,8 @@ def _resident_ctas(kernel, threads: int, shared: int) -> int:
     return max(1, min(by_regs, by_warps, by_shared, 32))
 
 
-def quantize_kbit(A, k: int = 4, codebook=None, absmax_format: str = "e4m4"):
+def quantize_kbit(A, k: int = 4, codebook=None, absmax_format: str = "e4m4",
+                  validate: bool = True):
     """Quantize ``A`` to k-bit codebook indices with one scale per 32 elements.
 
     Parameters
@@ -105,6 +120,16 @@ def quantize_kbit(A, k: int = 4, codebook=None, absmax_format: str = "e4m4"):
         allowed; a host or device array or a list, whatever module ``A`` is
         in). Defaults to ``create_normal_float_codebook(k)``.
     absmax_format : ``"e4m4"`` (uint8 scales, largest 31.0) or ``"fp16"``.
+    validate : on the GPU, read back the kernel's one flag word (NaN or
+        infinity in ``A``, a block absmax past the scale format) and raise.
+        That read waits for the GPU (the call returns when the kernel has
+        run) and cannot be captured in a CUDA graph. ``validate=False``:
+        the caller vouches for the data; nothing is read back, the call
+        returns at once and can be captured, and bad input gives undefined
+        indices and scales for its blocks (never writes outside the
+        outputs). A codebook given as a CuPy array is read to the host once
+        per call to build its lookup plan: pass it as a NumPy array or list
+        to keep the call free of host reads. The NumPy path always checks.
 
     Returns
     -------
@@ -132,11 +157,11 @@ def quantize_kbit(A, k: int = 4, codebook=None, absmax_format: str = "e4m4"):
         packed = np.empty(nblocks * k, np.uint32)
         absmax = np.empty(nblocks, ABSMAX_FORMATS[absmax_format])
         quantize_blocks(host_float32(A), k, plan, absmax_format, packed, absmax)
-        return packed, absmax, cb
+        return packed, absmax, cb.copy()
     packed, absmax, flags = _quantize_cuda(A, k, cb, plan, absmax_format)
-    if flags is not None:
+    if flags is not None and validate:
         _raise_for_flags(int(flags.get()[0]), A, absmax_format)
-    return packed, absmax, xp.asarray(cb)
+    return packed, absmax, _launch.copy(_device_plan(plan)[1])
 
 
 _device_plans: dict[tuple, tuple] = {}
@@ -144,15 +169,14 @@ _device_plans: dict[tuple, tuple] = {}
 
 def _device_plan(plan: IndexPlan):
     """(table, codebook) of a plan on the current device, uploaded once."""
-    import cupy as cp
-
-    key = (id(plan), cp.cuda.Device().id)
+    key = (id(plan), _launch.current_device())
     entry = _device_plans.get(key)
     if entry is None or entry[0] is not plan:
         table = np.zeros((1, 2), np.uint32) if plan.table is None else plan.table
-        entry = (plan, cp.asarray(table), cp.asarray(plan.codebook))
+        # uploads that neither block the host nor enter a graph being captured
+        entry = (plan, _launch.upload(table), _launch.upload(np.asarray(plan.codebook, np.float32)))
         _device_plans[key] = entry
-    return entry[1], entry[2]
+    return entry[1][0], entry[2][0]
 
 
 def _quantize_cuda(A, k: int, cb: np.ndarray, plan: IndexPlan, absmax_format: str,
@@ -170,9 +194,11 @@ def _quantize_cuda(A, k: int, cb: np.ndarray, plan: IndexPlan, absmax_format: st
     n = int(x.size)
     nblocks = nblocks_for(n)
     if outputs is None:
-        packed = cp.empty(nblocks * k, cp.uint32)
-        absmax = cp.empty(nblocks, ABSMAX_FORMATS[absmax_format])
-        flags = cp.zeros(1, cp.int32) if n else None
+        packed = _launch.empty(nblocks * k, cp.uint32)
+        absmax = _launch.empty(nblocks, ABSMAX_FORMATS[absmax_format])
+        flags = _launch.empty(1, cp.int32) if n else None
+        if flags is not None:  # a memset: capturable, nothing to compile
+            flags.data.memset_async(0, 4, cp.cuda.get_current_stream())
     else:
         packed, absmax, flags = outputs
     if n == 0:
@@ -221,9 +247,7 @@ def _raise_for_flags(flags: int, A, absmax_format: str) -> None:
 
 def _check_n(n) -> tuple[int, tuple]:
     if isinstance(n, (tuple, list)):
-        shape = tuple(int(d) for d in n)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"shape must be non-negative, got {n!r}")
+        shape = check_shape(n, "shape")
         return math.prod(shape), shape
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be a non-negative int (element count) or a shape tuple, got {n!r}")
@@ -254,9 +278,13 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
     """
     k = check_k(k)
     total, shape = _check_n(n)
+    if out is not None:
+        check_array(out, "out")
     xp, packed = as_module_array(packed, "packed")
     same_module(xp, {"absmax": absmax, "out": out})
     absmax = xp.asarray(absmax)
+    check_flat(packed, "packed")
+    check_flat(absmax, "absmax")
     dtype = float_dtype(dtype, "dtype")
     if packed.dtype != np.uint32:
         raise TypeError(f"packed must be uint32 (from quantize_kbit), got {packed.dtype}")
@@ -272,9 +300,9 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
         raise ValueError(
             f"absmax has {absmax.size} entries but n={total} needs ceil(n/32) = {nblocks}"
         )
-    cb = check_codebook(to_host(codebook), k)
+    cb = check_codebook(to_host(codebook), k) if xp is np else device_codebook(codebook, k)
     if out is None:
-        out = xp.empty(shape, dtype)
+        out = xp.empty(shape, dtype) if xp is np else _launch.empty(shape, dtype)
     else:
         if out.dtype != dtype:
             raise TypeError(f"out has dtype {out.dtype} but dtype={dtype}; pass matching dtypes")
@@ -289,19 +317,87 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
         dequantize_blocks(np.ascontiguousarray(packed), np.ascontiguousarray(absmax), cb, k,
                           total, flat)
         return out
-    _dequantize_cuda(xp.ascontiguousarray(packed), xp.ascontiguousarray(absmax),
-                     xp.asarray(cb), k, total, flat)
+    _dequantize_cuda(xp.ascontiguousarray(packed), xp.ascontiguousarray(absmax), cb, k, total,
+                     flat)
     return out
 
 
+_device_codebooks: dict[tuple, tuple] = {}
+_DEVICE_CODEBOOKS_MAX = 256
+
+
+def device_codebook(codebook, k: int):
+    """The codebook as a contiguous float32 CuPy array of ``2**k`` entries,
+    without reading device memory back to the host.
+
+    A CuPy codebook of the right size is used as it is (cast to float32 on
+    the device where needed); its values are not checked, since that would
+    mean a synchronising read (FORMAT.md requires finite entries; a non-finite
+    one gives non-finite outputs where it is used). A host codebook (NumPy
+    array or list) is checked and uploaded once per device and content.
+    """
+    import cupy as cp
+
+    if isinstance(codebook, cp.ndarray):
+        if codebook.dtype.kind != "f":
+            raise TypeError(f"codebook must be a float array (float32 preferred), got dtype "
+                            f"{codebook.dtype}")
+        if codebook.size != (1 << k):
+            raise ValueError(
+                f"codebook for k={k} must have exactly 2**k = {1 << k} entries, got "
+                f"{codebook.size}; use create_normal_float_codebook({k}) or pass k matching "
+                "the codebook")
+        if codebook.dtype != np.float32 or codebook.ndim != 1 or not codebook.flags.c_contiguous:
+            codebook = cp.ascontiguousarray(codebook.reshape(-1), dtype=cp.float32)
+        return codebook
+    host = check_codebook(to_host(codebook), k)
+    key = (_launch.current_device(), k, host.tobytes())
+    found = _device_codebooks.get(key)
+    if found is None:
+        if len(_device_codebooks) >= _DEVICE_CODEBOOKS_MAX:  # users' ad hoc codebooks
+            _device_codebooks.clear()
+        found = _device_codebooks[key] = _launch.upload(host)
+    return found[0]
+
+
+def _dequantize_geometry(n: int) -> tuple[tuple, tuple]:
+    """(grid, block) of the dequantize kernel for ``n`` elements: a warp per
+    8 blocks of 32, at most 32 CTAs of 256 threads per SM."""
+    warps = -(-n // (32 * 8))
+    return (max(1, min(-(-warps // (_THREADS // 32)), _sm_count() * 32)),), (_THREADS,)
+
+
+_DTYPE_NAMES = {np.dtype(d): np.dtype(d).name for d in (np.float16, np.float32, np.uint8)}
+_DTYPE_NAMES[BFLOAT16] = "bfloat16"
+_dequantize_launches: dict[tuple, _launch.Launch] = {}
+_DEQUANTIZE_ARGS = (_launch.POINTER,) * 3 + (_launch.INT64, _launch.POINTER, _launch.INT32)
+
+
 def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out) -> None:
-    """Launch the dequantize kernel into the flat contiguous ``flat_out``."""
-    kernel = _jit.get_kernel("dequantize", k, flat_out.dtype.name, absmax.dtype.name)
-    nblocks = nblocks_for(n)
-    warps = math.ceil(nblocks / 8)
-    grid = max(1, min(math.ceil(warps / (_THREADS // 32)), _sm_count() * 32))
-    aligned = int(flat_out.data.ptr % 16 == 0)
-    kernel((grid,), (_THREADS,), (packed, absmax, codebook, np.int64(n), flat_out, np.int32(aligned)))
+    """Launch the dequantize kernel into the flat contiguous ``flat_out``.
+
+    One argument block per (variant, device, stream), built on first use; a
+    call sets the pointers, the size and the grid (CuPy's kernel call costs
+    about 20 us of host time here, this about 4)."""
+    stream = _launch.current_stream_ptr()
+    key = (k, flat_out.dtype, absmax.dtype, _launch.current_device(), stream)
+    launch = _dequantize_launches.get(key)
+    if launch is None:
+        with _launch.setup_scope():
+            kernel = _jit.get_kernel("dequantize", k, _DTYPE_NAMES[flat_out.dtype],
+                                     _DTYPE_NAMES[absmax.dtype])
+            launch = _launch.Launch(kernel, (1,), (_THREADS,), 0, _DEQUANTIZE_ARGS,
+                                    (0, 0, 0, 0, 0, 0))
+        _dequantize_launches[key] = launch
+    out_ptr = flat_out.data.ptr
+    launch.grid = _dequantize_geometry(n)[0] + (1, 1)
+    launch.set(0, packed.data.ptr)
+    launch.set(1, absmax.data.ptr)
+    launch.set(2, codebook.data.ptr)
+    launch.set(3, n)
+    launch.set(4, out_ptr)
+    launch.set(5, int(out_ptr % 16 == 0))
+    launch(stream)
 
 
 __all__ = ["BLOCK", "E4M4_LIMIT", "dequantize_kbit", "quantize_kbit"]

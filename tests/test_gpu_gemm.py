@@ -211,8 +211,8 @@ def test_wgmma_without_tensor_maps_falls_back_to_128_row_launches(monkeypatch):
 
     monkeypatch.setattr(gemm, "_tensor_maps_available", lambda: False)
     calls = []
-    real = gemm._launch_mma
-    monkeypatch.setattr(gemm, "_launch_mma",
-                        lambda A, w, C, wg=False: (calls.append(A.shape[0]), real(A, w, C, wg)))
+    real = gemm._plan_launch
+    monkeypatch.setattr(gemm, "_plan_launch",
+                        lambda M, *args: (calls.append(M), real(M, *args))[1])
     run_case(200, 300, 512, 4, np.float16, "wgmma")
     assert calls == [128, 72]

@@ -1,0 +1,377 @@
+"""The GPU call path's plumbing: cheap launches, capture-safe setup, buffers
+that outlive a CUDA graph, and a cuBLAS GEMM that stream capture accepts.
+
+Everything here exists so that a public call does its one-time work once and
+then costs a few microseconds of host time (issue 18):
+
+- ``Launch``: one kernel launch whose argument block (ctypes) is built once;
+  a call sets the few arguments that change (activation and output
+  pointers) and goes straight to ``cuLaunchKernel`` through CuPy's driver
+  binding. Measured on the H100: CuPy's ``RawKernel.__call__`` with the
+  GEMM's 21 arguments costs several microseconds of argument conversion per
+  call; the prebuilt block costs one attribute store per changed argument.
+- ``setup_scope``: one-time work (compiling, repacking a weight, allocating
+  workspaces, encoding tensor maps) that a call meets while its stream is
+  being captured into a CUDA graph runs on a side stream with the thread's
+  capture mode relaxed, so it neither enters the graph nor invalidates the
+  capture (``cudaMalloc`` and module loads are "unsafe" in global mode,
+  which ``torch.cuda.graph`` uses).
+- ``stream_buffer``: workspaces shared by the launches of one (device,
+  stream), which run one after another. They only grow; a buffer a plan or a
+  captured graph refers to is never freed while the plan lives, because the
+  plan holds a reference (CuPy's pool would otherwise hand a graph's memory
+  to the next allocation).
+- ``cublas_gemm``: ``C = A @ W.T`` through ``cublasGemmEx`` on a handle of
+  our own with a fixed workspace (``cublasSetWorkspace``), which stream
+  capture accepts; ``cupy.matmul`` refuses to run while a stream captures.
+
+Nothing here validates user input: the public functions do that before they
+get here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+import numpy as np
+
+_cp = None
+
+
+def _cupy():
+    global _cp
+    if _cp is None:
+        import cupy
+
+        _cp = cupy
+    return _cp
+
+
+def current_device() -> int:
+    """The current CUDA device's ordinal (one runtime call, no Device object)."""
+    return _cupy().cuda.runtime.getDevice()
+
+
+def current_stream_ptr() -> int:
+    """The current CuPy stream's handle (0: the legacy default stream)."""
+    return _cupy().cuda.get_current_stream().ptr
+
+
+# --------------------------------------------------------------------------
+# launches
+
+POINTER = ctypes.c_uint64
+INT32 = ctypes.c_int32
+INT64 = ctypes.c_int64
+FLOAT32 = ctypes.c_float
+
+
+def device_pointer(x) -> int:
+    """A kernel argument's address: CuPy arrays give their data pointer, None gives 0."""
+    if x is None:
+        return 0
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    return x.data.ptr
+
+
+class Launch:
+    """One kernel launch with its argument block built once.
+
+    ``kernel``: a ``cupy.RawKernel`` (compiled and loaded on the current
+    device); ``types``: the ctypes type of each kernel parameter, in order;
+    ``values``: their initial values (arrays give their data pointer). The
+    arrays passed are kept alive by the Launch. ``set(i, value)`` changes
+    argument ``i``; ``__call__(stream_ptr)`` launches.
+
+    One Launch belongs to one (device, stream): calls from several threads on
+    the same Launch at once would race on its argument block.
+    """
+
+    __slots__ = ("_argv", "_keep", "_values", "block", "func", "grid", "shared")
+
+    def __init__(self, kernel, grid, block, shared: int, types, values):
+        self.func = kernel.kernel.ptr  # CUfunction, loaded on this device
+        self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        self.block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        self.shared = int(shared)
+        self._keep = [v for v in values if v is not None and not isinstance(v, (int, float, np.number))]
+        self._values = [t(device_pointer(v) if t is POINTER else v) for t, v in zip(types, values)]
+        self._argv = (ctypes.c_void_p * len(self._values))(
+            *[ctypes.addressof(v) for v in self._values])
+
+    def set(self, index: int, value) -> None:
+        self._values[index].value = value
+
+    def __call__(self, stream_ptr: int) -> None:
+        g, b = self.grid, self.block
+        _cupy().cuda.driver.launchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2],
+                                         self.shared, stream_ptr, ctypes.addressof(self._argv), 0)
+
+
+# --------------------------------------------------------------------------
+# one-time work while a stream is being captured
+
+_libcuda = None
+
+
+def libcuda():
+    """The CUDA driver library (ctypes), or None where it cannot be loaded."""
+    global _libcuda
+    if _libcuda is None:
+        try:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            _libcuda = False
+    return _libcuda or None
+
+
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
+
+
+def _exchange_capture_mode(mode: int) -> int:
+    """cuThreadExchangeStreamCaptureMode: set this thread's mode, return the old one."""
+    lib = libcuda()
+    if lib is None:
+        return mode
+    value = ctypes.c_int(mode)
+    rc = lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(value))
+    if rc != 0:
+        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed (CUresult {rc})")
+    return value.value
+
+
+_side_streams: dict[int, object] = {}
+_setup_lock = threading.RLock()
+
+
+def is_capturing(stream=None) -> bool:
+    """Whether ``stream`` (default: the current stream) is being captured
+    into a CUDA graph. The legacy default stream cannot be captured."""
+    if stream is None:
+        stream = _cupy().cuda.get_current_stream()
+    return stream.ptr != 0 and stream.is_capturing()
+
+
+@contextlib.contextmanager
+def relaxed():
+    """While the current stream captures, relax this thread's capture mode for
+    the body: CUDA's global mode (``torch.cuda.graph``'s) refuses the pool's
+    cudaMalloc and CuPy's first-time module loads, which would invalidate the
+    capture. Work the body launches on the current stream is still captured.
+    Without a capture this does nothing."""
+    if not is_capturing():
+        yield
+        return
+    with _setup_lock:
+        previous = _exchange_capture_mode(_CAPTURE_MODE_RELAXED)
+        try:
+            yield
+        finally:
+            _exchange_capture_mode(previous)
+
+
+def empty(shape, dtype, nbytes: int | None = None, stream=None):
+    """``cupy.empty`` that also works during a global-mode capture (``relaxed``).
+    Memory a graph writes must outlive the graph: keep the result.
+
+    ``nbytes`` (the array's size, if the caller knows it) and ``stream`` (the
+    current stream object) save work on hot paths: the array is then made
+    from one pool allocation, about 3 us less than ``cupy.empty``.
+    """
+    cp = _cupy()
+    if stream is None:
+        stream = cp.cuda.get_current_stream()
+    if stream.ptr == 0 or not stream.is_capturing():
+        if nbytes is None:
+            return cp.empty(shape, dtype=dtype)
+        return cp.ndarray(shape, dtype, cp.cuda.alloc(nbytes))
+    with relaxed():
+        return cp.empty(shape, dtype=dtype)
+
+
+def copy(src):
+    """A device copy of the contiguous CuPy array ``src`` (an async memcpy on the
+    current stream: capturable, no elementwise kernel to compile)."""
+    out = empty(src.shape, src.dtype)
+    out.data.copy_from_device_async(src.data, src.nbytes, _cupy().cuda.get_current_stream())
+    return out
+
+
+def upload(host: np.ndarray):
+    """A device copy of a small host array, without blocking the host: staged
+    through pinned memory and copied on the current stream (a copy from
+    pageable memory may wait for the GPU), or, while the stream is being
+    captured, on a side stream now (``setup_scope``). Returns (device array,
+    pinned buffer); keep both until the copy has run."""
+    cp = _cupy()
+    host = np.ascontiguousarray(host)
+    with setup_scope():
+        pinned = cp.cuda.alloc_pinned_memory(max(host.nbytes, 1))
+        staged = np.frombuffer(pinned, dtype=host.dtype, count=host.size).reshape(host.shape)
+        staged[...] = host
+        device = cp.empty(host.shape, dtype=host.dtype)
+        device.set(staged, stream=cp.cuda.get_current_stream())
+    return device, pinned
+
+
+@contextlib.contextmanager
+def setup_scope():
+    """Run one-time setup outside any capture of the current stream.
+
+    Without a capture this does nothing. While the current stream captures,
+    the body runs with the thread's capture mode relaxed, on a side stream of
+    this device that is synchronised before the scope ends: what the body
+    launches (repacking, zero fills, uploads) runs now, once, and is not
+    recorded into the graph; its allocations and module loads do not
+    invalidate the capture. Code in the body must take the captured stream's
+    handle from before the scope (``current_stream_ptr()`` inside it names
+    the side stream).
+    """
+    if not is_capturing():
+        yield
+        return
+    cp = _cupy()
+    with _setup_lock:
+        previous = _exchange_capture_mode(_CAPTURE_MODE_RELAXED)
+        try:
+            dev = current_device()
+            side = _side_streams.get(dev)
+            if side is None:
+                side = _side_streams[dev] = cp.cuda.Stream(non_blocking=True)
+            with side:
+                yield
+            side.synchronize()
+        finally:
+            _exchange_capture_mode(previous)
+
+
+# --------------------------------------------------------------------------
+# workspaces per (device, stream)
+
+_buffers: dict[tuple, object] = {}
+
+
+def stream_buffer(kind: str, nbytes: int, stream_ptr: int, zeroed: bool = False):
+    """A device buffer of at least ``nbytes`` for the launches of one stream.
+
+    Launches on one stream run in order, so they can share one workspace of
+    each ``kind``. The buffer only grows: a larger request allocates a new
+    one and later plans use it, while plans (and graphs) that hold the old
+    one keep it alive. ``zeroed``: filled with zeros when allocated (the
+    split-K counters, which every launch leaves at zero again).
+    """
+    cp = _cupy()
+    key = (kind, current_device(), stream_ptr)
+    buf = _buffers.get(key)
+    if buf is None or buf.nbytes < nbytes:
+        size = max(int(nbytes), 2 * (buf.nbytes if buf is not None else 0), 1 << 16)
+        with setup_scope():  # allocated (and zeroed) now, not as part of a graph
+            buf = cp.empty(size, dtype=cp.uint8)
+            if zeroed:
+                buf.data.memset_async(0, size, cp.cuda.get_current_stream())
+        _buffers[key] = buf
+    return buf
+
+
+# --------------------------------------------------------------------------
+# a capturable cuBLAS GEMM
+
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_CUDA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType
+# 32 MiB: cuBLAS's recommended workspace on Hopper (its guide, cublasSetWorkspace)
+_CUBLAS_WORKSPACE_BYTES = 32 << 20
+_ONE = np.ones(1, np.float32)  # alpha and beta: host pointers (cuBLAS's default mode)
+_ZERO = np.zeros(1, np.float32)
+_ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data
+
+
+class _Blas:
+    """Our cuBLAS handle on one device, its stream and a workspace per stream.
+
+    Called through ctypes, not CuPy's binding: CuPy's ``cublas.setStream``
+    raises while a stream captures ("calling cuBLAS API during stream capture
+    is currently unsupported"), though cuBLAS itself supports capture.
+    """
+
+    def __init__(self):
+        self.lib = _libcublas()
+        handle = ctypes.c_void_p()
+        _check_blas(self.lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        self.handle = handle
+        self.stream = None
+        self.workspaces: dict[int, object] = {}
+        gemm = self.lib.cublasGemmEx
+        gemm.restype = ctypes.c_int
+        i, p = ctypes.c_int, ctypes.c_void_p
+        gemm.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+        self.gemm = gemm
+
+    def bind(self, stream_ptr: int) -> None:
+        """Point the handle at ``stream_ptr`` with that stream's fixed workspace
+        (setStream resets the workspace to cuBLAS's own pool, so both go together)."""
+        if self.stream == stream_ptr:
+            return
+        ws = self.workspaces.get(stream_ptr)
+        if ws is None:  # first use of this stream: allocate outside any capture
+            with setup_scope():
+                ws = self.workspaces[stream_ptr] = _cupy().empty(_CUBLAS_WORKSPACE_BYTES, np.uint8)
+        _check_blas(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream_ptr)),
+                    "cublasSetStream")
+        _check_blas(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(ws.data.ptr),
+                                                   ctypes.c_size_t(ws.nbytes)),
+                    "cublasSetWorkspace")
+        self.stream = stream_ptr
+
+
+def _check_blas(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed (cublasStatus_t {status})")
+
+
+def _libcublas():
+    """The cuBLAS library CuPy loads (found among the process's mapped files
+    once CuPy's binding has loaded it), through ctypes."""
+    from cupy_backends.cuda.libs import cublas  # noqa: F401 - loads libcublas
+
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        paths = sorted({line.split()[-1] for line in f
+                        if "libcublas.so" in line and "libcublasLt" not in line})
+    if not paths:
+        raise RuntimeError("libcublas is not loaded in this process; the dequantize + cuBLAS "
+                           "path needs CuPy's cuBLAS")
+    return ctypes.CDLL(paths[0])
+
+
+_blas: dict[int, _Blas] = {}
+
+
+def blas() -> _Blas:
+    """This device's handle (created on first use, outside any capture)."""
+    dev = current_device()
+    found = _blas.get(dev)
+    if found is None:
+        with setup_scope():
+            found = _blas[dev] = _Blas()
+    return found
+
+
+def cublas_gemm(M: int, N: int, K: int, dtype_name: str, a_ptr: int, w_ptr: int, c_ptr: int,
+                stream_ptr: int) -> None:
+    """``C[M, N] = A[M, K] @ W[N, K].T`` for C-contiguous 16-bit (or fp32)
+    arrays at the given device addresses, float32 accumulation, on
+    ``stream_ptr``; capturable.
+
+    Row-major ``C = A W^T`` is column-major ``C^T = W A^T``: ``W`` read
+    transposed (``OP_T``, leading dimension K), ``A`` as is.
+    """
+    b = blas()
+    b.bind(stream_ptr)
+    t = _CUDA_TYPES[dtype_name]
+    _check_blas(b.gemm(b.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, N, M, K, _ONE_PTR, w_ptr, t, K,
+                       a_ptr, t, K, _ZERO_PTR, c_ptr, t, N, _CUBLAS_COMPUTE_32F,
+                       _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
