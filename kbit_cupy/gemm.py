@@ -254,12 +254,28 @@ class KbitWeight(_KbitArrays):
                           self.k, self.shape)
 
 
-def quantize_weight(W, k: int = 4, codebook=None, absmax_format: str = "e4m4") -> KbitWeight:
+def quantize_weight(W, k: int = 4, codebook=None, absmax_format: str = "e4m4", *,
+                    hessian=None, method: str = "rtn", **gptq_options) -> KbitWeight:
     """Quantize a linear layer's weight ``W`` of shape ``[N, K_dim]`` (blocks along K_dim).
 
     ``W``: float16 / bfloat16 / float32, NumPy or CuPy; ``K_dim % 32 == 0``.
     The result lives in ``W``'s module. See ``quantize_kbit`` for the rest.
+
+    ``method="rtn"`` (default): round to the nearest codebook entry.
+    ``method="gptq"`` with ``hessian=H`` (``[K_dim, K_dim]`` = X^T X of the
+    layer's inputs, or a ``calibrate.HessianAccumulator``): GPTQ-style error
+    compensation (``kbit_cupy.calibrate.gptq_quantize``, same format);
+    ``gptq_options`` go to it.
     """
+    if method == "gptq":
+        from .calibrate import gptq_quantize  # calibrate imports this module
+
+        return gptq_quantize(W, k, codebook, hessian=hessian, absmax_format=absmax_format,
+                             **gptq_options)
+    if method != "rtn":
+        raise ValueError(f'method must be "rtn" or "gptq", got {method!r}')
+    if hessian is not None or gptq_options:
+        raise ValueError('hessian= and GPTQ options need method="gptq"')
     _, W = as_module_array(W, "W")
     if W.ndim != 2:
         raise ValueError(f"W must be 2-D [N, K_dim], got shape {W.shape}")
