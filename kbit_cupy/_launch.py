@@ -49,6 +49,11 @@ def _cupy():
     return _cp
 
 
+def cupy():
+    """The cupy module (imported on first use)."""
+    return _cupy()
+
+
 def current_device() -> int:
     """The current CUDA device's ordinal (one runtime call, no Device object)."""
     return _cupy().cuda.runtime.getDevice()

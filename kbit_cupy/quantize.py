@@ -276,6 +276,10 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
     Raises ValueError (sizes that do not fit ``n``/``k``, bad ``out`` size or
     layout) and TypeError (dtypes, arrays from different modules).
     """
+    if _cupy_ndarray is not None and type(packed) is _cupy_ndarray:
+        done = _dequantize_fast(packed, absmax, codebook, k, n, dtype, out)
+        if done is not None:
+            return done
     k = check_k(k)
     total, shape = _check_n(n)
     if out is not None:
@@ -285,7 +289,8 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
     absmax = xp.asarray(absmax)
     check_flat(packed, "packed")
     check_flat(absmax, "absmax")
-    dtype = float_dtype(dtype, "dtype")
+    dtype_given, dtype = dtype, float_dtype(dtype, "dtype")
+    dtype_checked = dtype
     if packed.dtype != np.uint32:
         raise TypeError(f"packed must be uint32 (from quantize_kbit), got {packed.dtype}")
     if absmax.dtype not in (np.uint8, np.float16):
@@ -319,7 +324,60 @@ def dequantize_kbit(packed, absmax, codebook, k: int, n, dtype=np.float16, out=N
         return out
     _dequantize_cuda(xp.ascontiguousarray(packed), xp.ascontiguousarray(absmax), cb, k, total,
                      flat)
+    _learn_fast(n, dtype_given, total, shape, dtype_checked)
     return out
+
+
+_cupy_ndarray = None  # cupy.ndarray once a GPU call has run (the fast path's type test)
+_fast_shapes: dict = {}  # n as given -> (element count, result shape)
+_FAST_DTYPES: dict = {}  # dtype as given -> numpy dtype (the three float dtypes)
+_U32, _U8, _F16, _F32 = (np.dtype(t) for t in (np.uint32, np.uint8, np.float16, np.float32))
+
+
+def _dequantize_fast(packed, absmax, codebook, k, n, dtype, out):
+    """dequantize_kbit for CuPy arrays that need no conversion: every input
+    already what the kernel takes (1-D contiguous packed and absmax of the
+    right sizes and dtypes, a float32 codebook of 2**k on the device, a known
+    dtype, ``out`` None or contiguous of the right size and dtype, all on the
+    current device). Returns None when anything is not so: the checked path
+    then runs (and raises its clear errors)."""
+    if type(k) is not int or not 2 <= k <= 5 or type(absmax) is not _cupy_ndarray:
+        return None
+    try:
+        total, shape = _fast_shapes[n]
+        dt = _FAST_DTYPES[dtype]
+    except (KeyError, TypeError):  # unhashable or not seen yet: the checked path learns it
+        return None
+    nblocks = -(-total // 32)
+    dev = _launch.current_device()
+    if (packed.dtype != _U32 or packed.strides != (4,) or packed.size != nblocks * k
+            or absmax.strides != (absmax.itemsize,) or absmax.size != nblocks
+            or (absmax.dtype != _U8 and absmax.dtype != _F16) or total == 0
+            or type(codebook) is not _cupy_ndarray or codebook.dtype != _F32
+            or codebook.strides != (4,) or codebook.size != (1 << k)
+            or packed.data.device_id != dev or absmax.data.device_id != dev
+            or codebook.data.device_id != dev):
+        return None
+    stream = _launch.cupy().cuda.get_current_stream()
+    if out is None:
+        out = _launch.empty(shape, dt, total * dt.itemsize, stream)
+    elif (type(out) is not _cupy_ndarray or out.dtype != dt or out.size != total
+          or out.data.device_id != dev or not out.flags.c_contiguous):
+        return None
+    _dequantize_cuda(packed, absmax, codebook, k, total, out, stream.ptr)
+    return out
+
+
+def _learn_fast(n, dtype, total, shape, dt) -> None:
+    """Remember what the checked path accepted, for the fast path."""
+    global _cupy_ndarray
+    _cupy_ndarray = _launch.cupy().ndarray
+    try:
+        if len(_fast_shapes) < 1024:
+            _fast_shapes[n] = (total, shape)
+        _FAST_DTYPES[dtype] = dt
+    except TypeError:  # unhashable (a list shape)
+        pass
 
 
 _device_codebooks: dict[tuple, tuple] = {}
@@ -373,13 +431,15 @@ _dequantize_launches: dict[tuple, _launch.Launch] = {}
 _DEQUANTIZE_ARGS = (_launch.POINTER,) * 3 + (_launch.INT64, _launch.POINTER, _launch.INT32)
 
 
-def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out) -> None:
+def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out,
+                     stream: int | None = None) -> None:
     """Launch the dequantize kernel into the flat contiguous ``flat_out``.
 
     One argument block per (variant, device, stream), built on first use; a
     call sets the pointers, the size and the grid (CuPy's kernel call costs
     about 20 us of host time here, this about 4)."""
-    stream = _launch.current_stream_ptr()
+    if stream is None:
+        stream = _launch.current_stream_ptr()
     key = (k, flat_out.dtype, absmax.dtype, _launch.current_device(), stream)
     launch = _dequantize_launches.get(key)
     if launch is None:
