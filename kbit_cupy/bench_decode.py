@@ -23,6 +23,7 @@ never fills and the figure is the host's own).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -100,19 +101,20 @@ def decode_step(bits: list, rows: list, reps: int = 20, layers: int = LAYERS) ->
                         for _ in range(layers) for (_, _, N) in LLAMA3_8B_LAYER]
                 shapes = [(K, N) for _ in range(layers) for (_, K, N) in LLAMA3_8B_LAYER]
 
+                layer_calls = list(zip(weights, shapes, outs))
                 if form == "fp16":
-                    def eager():
-                        for W, (K, _), C in zip(weights, shapes, outs):
+                    def eager(layer_calls=layer_calls, acts=acts):
+                        for W, (K, _), C in layer_calls:
                             cp.matmul(acts[K], W.T, out=C)
 
-                    def capturable():
+                    def capturable(layer_calls=layer_calls, acts=acts, M=M):
                         s = stream.ptr
-                        for W, (K, N), C in zip(weights, shapes, outs):
+                        for W, (K, N), C in layer_calls:
                             _launch.cublas_gemm(M, N, K, "float16", acts[K].data.ptr,
                                                 W.data.ptr, C.data.ptr, s)
                 else:
-                    def eager():
-                        for w, (K, _), C in zip(weights, shapes, outs):
+                    def eager(layer_calls=layer_calls, acts=acts):
+                        for w, (K, _), C in layer_calls:
                             kbit_gemm(acts[K], w, out=C)
                     capturable = eager
                 eager()
@@ -124,7 +126,7 @@ def decode_step(bits: list, rows: list, reps: int = 20, layers: int = LAYERS) ->
                 graph = stream.end_capture()
                 graph.upload(stream)
                 graph.launch(stream)
-                graph_us = _events_us(lambda: graph.launch(stream), reps)
+                graph_us = _events_us(functools.partial(graph.launch, stream), reps)
                 t0 = time.perf_counter_ns()
                 for _ in range(3):
                     eager()
@@ -135,8 +137,8 @@ def decode_step(bits: list, rows: list, reps: int = 20, layers: int = LAYERS) ->
                                 "calls": len(weights)})
                 print(f"{form!s:>5} M={M:<3} eager {eager_us:9.1f} us  graph {graph_us:9.1f} us"
                       f"  host/call {host_us:6.1f} us", flush=True)
-                del graph
-            del weights
+                graph = layer_calls = None
+            weights = None
             cp.get_default_memory_pool().free_all_blocks()
     return records
 
@@ -165,8 +167,9 @@ def host_costs(calls: int = 10_000) -> list[dict]:
                 A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float16))
                 C = cp.empty((M, N), cp.float16)
                 add("cupy.matmul (fp16)", layer, M, lambda A=A, W=W: cp.matmul(A, W.T))
-                add("kbit_gemm (auto)", layer, M, lambda A=A: kc.kbit_gemm(A, w))
-                add("kbit_gemm (auto, out=)", layer, M, lambda A=A, C=C: kc.kbit_gemm(A, w, out=C))
+                add("kbit_gemm (auto)", layer, M, lambda A=A, w=w: kc.kbit_gemm(A, w))
+                add("kbit_gemm (auto, out=)", layer, M,
+                    lambda A=A, C=C, w=w: kc.kbit_gemm(A, w, out=C))
             add("dequantize_kbit", layer, 0,
                 lambda w=w: kc.dequantize_kbit(w.packed, w.absmax, w.codebook, 4, w.shape))
             add("quantize_kbit (validate=False)", layer, 0,
@@ -190,8 +193,8 @@ def _markdown(meta: dict, steps: list[dict], costs: list[dict]) -> str:
     lines = [f"# bench-decode: {meta['gpu']}, commit {meta['commit']}", ""]
     if steps:
         lines += ["## Decode step (224 linear calls, Llama-3-8B shapes)", "",
-                  "| form | M | eager us | graph us | host us/call | eager vs fp16 eager | "
-                  "graph vs fp16 graph |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  ("| form | M | eager us | graph us | host us/call | eager vs fp16 eager | "
+                   "graph vs fp16 graph |"), "|---|---:|---:|---:|---:|---:|---:|"]
         base = {r["M"]: r for r in steps if r["form"] == "fp16"}
         for r in steps:
             b = base.get(r["M"])

@@ -69,7 +69,7 @@ def _calls():
                 w = _fresh_weight(768, 2048)
                 A = cp.asarray(rng.standard_normal((M, 2048)).astype(np.float16))
                 C = cp.full((M, 768), np.nan, cp.float16)  # poison: every element written
-                call = lambda: kc.kbit_gemm(A, w, out=C, kernel=kernel)  # noqa: E731
+                call = lambda: kc.kbit_gemm(A, w, out=C, kernel=kernel)
                 call.reference = lambda: (cp.asnumpy(A).astype(np.float64)
                                           @ cp.asnumpy(w.dequantize(np.float32)).T)
                 return call
@@ -160,9 +160,9 @@ def _torch_capture(stream, call):
 
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
-    with torch.cuda.graph(graph, stream=side):  # capture_error_mode "global"
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            result = call()
+    # capture_error_mode "global"; CuPy runs on torch's capturing stream
+    with torch.cuda.graph(graph, stream=side), cp.cuda.ExternalStream(side.cuda_stream):
+        result = call()
     graph.replay()
     torch.cuda.synchronize()
     return result, graph
