@@ -22,8 +22,9 @@ import cupy as cp
 import numpy as np
 
 import kbit_cupy as kc
-from kbit_cupy import _jit, bench, gemm
+from kbit_cupy import _jit, gemm
 from kbit_cupy._arrays import BFLOAT16
+from kbit_cupy.bench import harness as bench
 
 _real_get_kernel = _jit.get_kernel
 

@@ -18,7 +18,7 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 import kbit_cupy as kc
-from kbit_cupy import bench
+from kbit_cupy.bench import harness as bench
 from kbit_cupy.format import BLOCK
 from kbit_cupy.quantize import _dequantize_cuda
 

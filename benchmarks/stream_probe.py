@@ -28,7 +28,7 @@ import argparse
 
 import cupy as cp
 
-from kbit_cupy import bench
+from kbit_cupy.bench import harness as bench
 
 SRC = r"""
 extern "C" __global__ void regs(const uint4* __restrict__ buf, long long words_per_warp,

@@ -10,7 +10,8 @@ import math
 import cupy as cp
 import numpy as np
 
-from kbit_cupy import _jit, bench
+from kbit_cupy import _jit
+from kbit_cupy.bench import harness as bench
 from kbit_cupy.format import create_normal_float_codebook, make_index_plan
 from kbit_cupy.quantize import _resident_ctas, _sm_count
 

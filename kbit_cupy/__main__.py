@@ -16,12 +16,11 @@ import time
 
 import numpy as np
 
+from ._cli import int_in
+
 PROG = "python -m kbit_cupy"
 DEMO_MAX_SIDE = 1 << 16  # rows or columns
 DEMO_MAX_ELEMENTS = 1 << 28  # 512 MiB of fp16 (the NumPy path needs several times that)
-MAX_REPS = 100_000
-MAX_ROWS = 1 << 24  # M of bench / T of bench-moe
-MAX_ELEMENTS = 1 << 34  # bench-format: more than any GPU holds in fp32 (the run says so)
 
 
 def _sqnr_db(x: np.ndarray, y: np.ndarray) -> float:
@@ -42,7 +41,7 @@ def cmd_demo(args) -> int:
     if on_gpu:
         import cupy as cp
 
-        from .bench import gpu_info
+        from .bench.harness import gpu_info
 
         info = gpu_info()
         print(f"GPU: {info.get('gpu')} ({info.get('cc')}), CuPy {cp.__version__}")
@@ -157,74 +156,10 @@ def cmd_info(args) -> int:
     if not gpu_available():
         print("GPU: none found (the NumPy path works; kernels need a CUDA GPU)")
         return 0
-    from .bench import gpu_info
+    from .bench.harness import gpu_info
 
     for key, value in gpu_info().items():
         print(f"{key}: {value}")
-    return 0
-
-
-def cmd_bench_format(args) -> int:
-    """Quantize/dequantize kernel bandwidth vs the measured copy bandwidth."""
-    from ._arrays import gpu_available
-
-    if not gpu_available():
-        print("bench-format needs a CUDA GPU; none found.", file=sys.stderr)
-        return 1
-    from .bench_format import run
-
-    return run(args)
-
-
-def cmd_bench_gemm(args) -> int:
-    """kbit_gemm vs cuBLAS fp16 over layers, M, k and kernels."""
-    from ._arrays import gpu_available
-
-    if not gpu_available():
-        print("bench needs a CUDA GPU; none found (python -m kbit_cupy plot draws committed "
-              "results without one).", file=sys.stderr)
-        return 1
-    if args.plot and not args.out:
-        print("--plot needs --out PREFIX (the PNGs are written next to the JSON)", file=sys.stderr)
-        return 2
-    from .bench_gemm import run
-
-    return run(args)
-
-
-def cmd_bench_moe(args) -> int:
-    """kbit_grouped_gemm / moe_linear vs cuBLAS fp16 on mixture-of-experts layers."""
-    from ._arrays import gpu_available
-
-    if not gpu_available():
-        print("bench-moe needs a CUDA GPU; none found.", file=sys.stderr)
-        return 1
-    from .bench_moe import run
-
-    return run(args)
-
-
-def cmd_bench_decode(args) -> int:
-    """A Llama-3-8B-shaped decode step (224 linear calls) eager and as one graph, fp16 vs k-bit, and host cost per call."""
-    from ._arrays import gpu_available
-
-    if not gpu_available():
-        print("bench-decode needs a CUDA GPU; none found.", file=sys.stderr)
-        return 1
-    from .bench_decode import run
-
-    bits = ["fp16" if b == "fp16" else int(b) for b in args.bits]
-    run(args.out, bits, args.m, host=not args.no_host_cost, step=not args.no_step,
-        calls=args.calls)
-    return 0
-
-
-def cmd_plot(args) -> int:
-    """Speedup and roofline PNGs from bench results (no GPU needed)."""
-    from .plots import plot_results
-
-    for path in plot_results(args.results, args.out_dir):
-        print(f"wrote {path}")
     return 0
 
 
@@ -237,32 +172,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _int_in(low: int, high: int):
-    """An argparse ``type`` accepting integers from ``low`` to ``high``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is out of range; give {low} to {high}")
-        return value
-    return parse
-
-
-def _layer_shape(text: str) -> str:
-    """An argparse ``type`` for ``K_dimxN`` (kept as text; bench_gemm parses it)."""
-    from .bench_gemm import parse_shape
-
-    try:
-        sizes = parse_shape(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not K_dimxN, e.g. 4096x6144") from None
-    if not all(1 <= size <= MAX_ROWS for size in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be 1 to {MAX_ROWS}")
-    return text
 
 
 def _one_line(exc: BaseException) -> str:
@@ -307,8 +216,8 @@ def main(argv=None) -> int:
     parser = _Parser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = p = sub.add_parser("demo", help=cmd_demo.__doc__)
-    p.add_argument("--rows", type=_int_in(1, DEMO_MAX_SIDE), default=4096)
-    p.add_argument("--cols", type=_int_in(1, DEMO_MAX_SIDE), default=4096)
+    p.add_argument("--rows", type=int_in(1, DEMO_MAX_SIDE), default=4096)
+    p.add_argument("--cols", type=int_in(1, DEMO_MAX_SIDE), default=4096)
     p.add_argument("--cpu", action="store_true", help="force the NumPy path")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("compile-check", help=cmd_compile_check.__doc__)
@@ -317,53 +226,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("info", help=cmd_info.__doc__)
     p.add_argument("--verbose", "-v", action="store_true", help="list every compiled variant")
     p.set_defaults(func=cmd_info)
-    p = sub.add_parser("bench-format", help=cmd_bench_format.__doc__)
-    p.add_argument("--elements", type=_int_in(1, MAX_ELEMENTS), default=1 << 28)
-    p.add_argument("--reps", type=_int_in(1, MAX_REPS), default=30)
-    p.add_argument("--out", default=None, help="path prefix for .json and .md results")
-    p.set_defaults(func=cmd_bench_format)
-    from .bench_gemm import DEFAULT_M, DEFAULT_SHAPES
-    from .gemm import KERNELS
+    from .bench.cli import add_commands as add_bench_commands
 
-    for name in ("bench", "bench-gemm"):
-        p = sub.add_parser(name, help=cmd_bench_gemm.__doc__)
-        p.add_argument("--shapes", nargs="+", type=_layer_shape, default=DEFAULT_SHAPES,
-                       help="layers as K_dimxN")
-        p.add_argument("--m", nargs="+", type=_int_in(1, MAX_ROWS), default=DEFAULT_M)
-        p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5], choices=[2, 3, 4, 5])
-        p.add_argument("--kernels", nargs="+", default=["auto"], choices=list(KERNELS))
-        p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-        p.add_argument("--reps", type=_int_in(1, MAX_REPS), default=20)
-        p.add_argument("--bf16-baseline", action="store_true",
-                       help="also time cuBLAS bf16 (recorded as kernel cublas_bf16)")
-        p.add_argument("--out", default=None, help="path prefix for .json and .md results")
-        p.add_argument("--plot", action="store_true",
-                       help="also write PREFIX_speedup.png and PREFIX_roofline.png (needs --out, matplotlib)")
-        p.set_defaults(func=cmd_bench_gemm)
-    from .bench_moe import CONFIGS, DEFAULT_T
-
-    p = sub.add_parser("bench-moe", help=cmd_bench_moe.__doc__)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--t", nargs="+", type=_int_in(1, MAX_ROWS), default=DEFAULT_T,
-                   help="tokens per call")
-    p.add_argument("--k", nargs="+", type=int, default=[4], choices=[2, 3, 4, 5])
-    p.add_argument("--reps", type=_int_in(1, MAX_REPS), default=20)
-    p.add_argument("--out", default=None, help="path prefix for .json and .md results")
-    p.set_defaults(func=cmd_bench_moe)
-    p = sub.add_parser("bench-decode", help=cmd_bench_decode.__doc__)
-    p.add_argument("--bits", nargs="+", default=["fp16", "4", "3", "2"],
-                   choices=["fp16", "2", "3", "4", "5"])
-    p.add_argument("--m", nargs="+", type=_int_in(1, 4096), default=[1, 4, 16, 64])
-    p.add_argument("--calls", type=_int_in(100, 1_000_000), default=10_000,
-                   help="back-to-back calls per host-cost figure")
-    p.add_argument("--no-host-cost", action="store_true", help="skip the host-cost table")
-    p.add_argument("--no-step", action="store_true", help="skip the decode step")
-    p.add_argument("--out", default=None, help="path prefix for .json and .md results")
-    p.set_defaults(func=cmd_bench_decode)
-    p = sub.add_parser("plot", help=cmd_plot.__doc__)
-    p.add_argument("results", nargs="+", help="JSON files written by bench --out")
-    p.add_argument("--out-dir", default=".", help="where the PNGs go")
-    p.set_defaults(func=cmd_plot)
+    add_bench_commands(sub)
     args = parser.parse_args(argv)
     if args.command == "demo" and args.rows * args.cols > DEMO_MAX_ELEMENTS:
         demo.error(f"--rows x --cols = {args.rows * args.cols} elements is more than the demo's "

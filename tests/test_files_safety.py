@@ -215,7 +215,7 @@ def test_write_errors_name_the_target_not_the_temporary(tmp_path):
 def test_bench_results_are_written_atomically(tmp_path, monkeypatch):
     import errno
 
-    from kbit_cupy.bench import write_results
+    from kbit_cupy.bench.harness import write_results
 
     json_path, md_path = tmp_path / "r.json", tmp_path / "r.md"
     write_results([{"M": 1, "time_us": 2.0}], {"gpu": "g"}, json_path, md_path)

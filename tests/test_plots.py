@@ -10,7 +10,7 @@ import pytest
 from kbit_cupy.__main__ import main
 
 pytest.importorskip("matplotlib")
-from kbit_cupy.plots import load, plot_results, plot_roofline, plot_speedup
+from kbit_cupy.bench.plots import load, plot_results, plot_roofline, plot_speedup
 
 RESULTS = sorted(Path(__file__).parent.parent.glob("benchmarks/results/gemm_sweep_h100_*_float16.json"))
 

@@ -29,7 +29,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._files import write_text
+from .._files import write_text
 
 __all__ = [
     "DEFAULT_FLUSH_BYTES",
@@ -724,23 +723,11 @@ def write_results(
 
 
 def progress(iterable: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
-    """Yield from ``iterable``, printing ``desc i/total (elapsed)`` to stderr before each item.
+    """Yield from ``iterable`` under a tqdm progress bar on stderr labelled ``desc``.
 
-    ``total`` defaults to ``len(iterable)`` where that exists (else the line reads
-    ``desc i``). A final ``desc done: n items in s`` line is printed at the end.
-    No dependencies (no tqdm).
+    ``total`` defaults to ``len(iterable)`` where that exists. Where stderr is
+    not a terminal (a log file) tqdm still writes, at most one update a second.
     """
-    if total is None:
-        try:
-            total = len(iterable)  # type: ignore[arg-type]
-        except TypeError:
-            total = None
-    t0 = time.perf_counter()
-    i = 0
-    for i, item in enumerate(iterable, 1):
-        count = f"{i}/{total}" if total is not None else str(i)
-        print(f"{desc} {count} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-        yield item
-    print(
-        f"{desc} done: {i} items in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
-    )
+    from tqdm import tqdm
+
+    yield from tqdm(iterable, desc=desc, total=total, file=sys.stderr, mininterval=1.0)

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from ._files import atomic_write
+from .._files import atomic_write
 
 # What every bench record must carry for the figures (numbers; speedup for k != 16).
 RECORD_KEYS = ("K_dim", "N", "M", "k", "time_us", "GB_s", "TFLOP_s")

@@ -4,7 +4,7 @@
 [--out PREFIX]``: for each mixture-of-experts configuration (experts, top-k,
 expert weight shapes) and token count T, a uniform random router picks each
 token's top-k distinct experts (seeded); the rows are grouped by expert and
-timed, cold L2, in one interleaved ``bench.time_ops`` call:
+timed, cold L2, in one interleaved ``harness.time_ops`` call:
 
 - ``grouped``: ``kbit_grouped_gemm`` on the grouped rows (one launch,
   ``validate=False``: no offset check, no host round trip);
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import bench
-from .experts import kbit_grouped_gemm, moe_linear, quantize_experts
+from ..experts import kbit_grouped_gemm, moe_linear, quantize_experts
+from . import harness
 
 # name -> (experts, top_k, [(N, K_dim) of each expert weight])
 CONFIGS = {
@@ -122,8 +122,8 @@ def _case(W16, experts: dict, T: int, top_k: int) -> tuple[dict, dict]:
 def run(args) -> int:
     import cupy as cp
 
-    info = bench.gpu_info()
-    copy_bw = bench.copy_bandwidth(1 << 30)
+    info = harness.gpu_info()
+    copy_bw = harness.copy_bandwidth(1 << 30)
     print(f"{info['gpu']} {info['cc']}  commit {info['commit']}  copy {copy_bw / 1e12:.3f} TB/s")
     records = []
     for name in args.configs:
@@ -133,9 +133,9 @@ def run(args) -> int:
             W16 = (rng.standard_normal((E, N, K_dim), dtype=cp.float32) * np.float32(0.02)
                    ).astype(cp.float16)
             experts = {k: quantize_experts(W16, k).prepare() for k in args.k}
-            for T in bench.progress(args.t, f"{name} {N}x{K_dim}"):
+            for T in harness.progress(args.t, f"{name} {N}x{K_dim}"):
                 ops, facts = _case(W16, experts, T, top_k)
-                times = bench.time_ops(ops, reps=args.reps)
+                times = harness.time_ops(ops, reps=args.reps)
                 base = min(times[n]["median_us"]
                            for n in ("cublas_batched", "cublas_batched_kn", "cublas_loop"))
                 t_strided = times["cublas_strided"]["median_us"]
@@ -162,15 +162,15 @@ def run(args) -> int:
                 del ops
             del W16, experts
     if args.out:
-        meta = {**info, "copy_bandwidth_TB_s": copy_bw / 1e12, "method": bench.METHOD,
+        meta = {**info, "copy_bandwidth_TB_s": copy_bw / 1e12, "method": harness.METHOD,
                 "reps": args.reps,
                 "baseline": "speedup: the faster of cupy.matmul batched (padded; [E,N,K] view "
                             "or [E,K,N]) and per-expert cupy.matmul; vs_strided: one direct "
                             "cublasGemmStridedBatchedEx call"}
-        bench.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
-                            columns=["config", "N", "K_dim", "T", "active_experts", "max_rows",
-                                     "op", "k", "time_us", "speedup", "vs_strided", "GB_s",
-                                     "copy_frac"],
-                            title="Grouped expert product (kbit) vs cuBLAS fp16")
+        harness.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
+                              columns=["config", "N", "K_dim", "T", "active_experts", "max_rows",
+                                       "op", "k", "time_us", "speedup", "vs_strided", "GB_s",
+                                       "copy_frac"],
+                              title="Grouped expert product (kbit) vs cuBLAS fp16")
         print(f"wrote {args.out}.json and {args.out}.md")
     return 0

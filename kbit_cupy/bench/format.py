@@ -2,7 +2,7 @@
 
 ``python -m kbit_cupy bench-format [--elements N] [--out PREFIX]``: for k = 2..5
 and fp16 / bf16, times the quantize kernel (fp16/bf16 input) and the dequantize
-kernel (fp16/bf16 output) with the TARGETS.md method (``bench.time_ops``:
+kernel (fp16/bf16 output) with the TARGETS.md method (``harness.time_ops``:
 cold L2, events, median) and as CUDA graphs, and reports bytes read + written
 per second as a fraction of a device-to-device copy measured in the same run.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import bench
-from ._arrays import BFLOAT16
-from .format import create_normal_float_codebook, nblocks_for
-from .quantize import _dequantize_cuda, _plan_for, _quantize_cuda
+from .._arrays import BFLOAT16
+from ..format import create_normal_float_codebook, nblocks_for
+from ..quantize import _dequantize_cuda, _plan_for, _quantize_cuda
+from . import harness
 
 TARGET_DEQUANT = 0.85  # fraction of copy bandwidth (TARGETS.md)
 TARGET_QUANT = 0.60
@@ -25,13 +25,13 @@ def run(args) -> int:
 
     n = int(args.elements)
     reps = int(args.reps)
-    info = bench.gpu_info()
-    copy_bw = bench.copy_bandwidth(1 << 30)
+    info = harness.gpu_info()
+    copy_bw = harness.copy_bandwidth(1 << 30)
     print(f"{info['gpu']} {info['cc']}  commit {info['commit']}  copy {copy_bw / 1e12:.3f} TB/s")
     rng = cp.random.default_rng(0)
     records = []
     dtypes = {"float16": np.float16, "bfloat16": BFLOAT16}
-    for dtype_name, dtype in bench.progress(list(dtypes.items()), "dtype"):
+    for dtype_name, dtype in harness.progress(list(dtypes.items()), "dtype"):
         x = rng.standard_normal(n, dtype=cp.float32).astype(dtype)
         out = cp.empty(n, dtype)
         for k in (2, 3, 4, 5):
@@ -51,8 +51,8 @@ def run(args) -> int:
 
             quantize()
             assert int(flags.get()[0]) == 0
-            times = bench.time_ops({"quantize": quantize, "dequantize": dequantize}, reps=reps)
-            graphs = {name: bench.time_graph(fn, reps=20, replays=5)
+            times = harness.time_ops({"quantize": quantize, "dequantize": dequantize}, reps=reps)
+            graphs = {name: harness.time_graph(fn, reps=20, replays=5)
                       for name, fn in (("quantize", quantize), ("dequantize", dequantize))}
             qdata = packed.nbytes + absmax.nbytes
             moved = {"quantize": x.nbytes + qdata, "dequantize": qdata + out.nbytes}
@@ -74,11 +74,11 @@ def run(args) -> int:
                       f"  target {100 * target:.0f}%  {'ok' if r['meets'] else 'MISSED'}")
         del x, out
     if args.out:
-        meta = {**info, "copy_bandwidth_TB_s": copy_bw / 1e12, "method": bench.METHOD,
+        meta = {**info, "copy_bandwidth_TB_s": copy_bw / 1e12, "method": harness.METHOD,
                 "reps": reps}
-        bench.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
-                            columns=["kernel", "k", "dtype", "elements", "time_us", "graph_us",
-                                     "GB_s", "copy_frac", "graph_copy_frac", "target", "meets"],
-                            title="kbit quantize / dequantize kernel bandwidth")
+        harness.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
+                              columns=["kernel", "k", "dtype", "elements", "time_us", "graph_us",
+                                       "GB_s", "copy_frac", "graph_copy_frac", "target", "meets"],
+                              title="kbit quantize / dequantize kernel bandwidth")
         print(f"wrote {args.out}.json and {args.out}.md")
     return 0 if all(r["meets"] for r in records) else 1

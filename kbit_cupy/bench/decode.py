@@ -82,8 +82,8 @@ def decode_step(bits: list, rows: list, reps: int = 20, layers: int = LAYERS) ->
     k values. Returns one record per (form, M)."""
     import cupy as cp
 
-    from . import _launch
-    from .gemm import kbit_gemm, quantize_weight
+    from .. import _launch
+    from ..gemm import kbit_gemm, quantize_weight
 
     stream = cp.cuda.Stream(non_blocking=True)
     records = []
@@ -214,7 +214,7 @@ def _markdown(meta: dict, steps: list[dict], costs: list[dict]) -> str:
 def run(out: str | None, bits: list, rows: list, host: bool = True, step: bool = True,
         calls: int = 10_000) -> dict[str, Any]:
     """Run the benchmark; with ``out`` write ``OUT.json`` and ``OUT.md``."""
-    from .bench import git_commit, gpu_info
+    from .harness import git_commit, gpu_info
 
     info = gpu_info()
     meta = {"gpu": info.get("gpu", "?"), "commit": git_commit(), "gpu_info": info}
@@ -229,7 +229,7 @@ def run(out: str | None, bits: list, rows: list, host: bool = True, step: bool =
 
 def _write(path: Path, text: str) -> None:
     """Write atomically (a temporary in the same directory, then rename)."""
-    from ._files import write_text
+    from .._files import write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, text)
