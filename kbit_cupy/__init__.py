@@ -15,6 +15,23 @@ from .codebook import fit_codebook
 from .experts import KbitExperts, kbit_grouped_gemm, moe_linear, quantize_experts
 from .format import create_normal_float_codebook, decode_absmax_e4m4, encode_absmax_e4m4
 from .gemm import KbitWeight, kbit_gemm, quantize_weight, repack_for_gemm, unpack_from_gemm
+from .parallel import (
+    NcclGroup,
+    ShardPlace,
+    TensorParallelLinear,
+    TensorParallelMLP,
+    join_model,
+    join_shards,
+    load_shard,
+    load_sharded,
+    parallel_forward,
+    save_shard,
+    save_sharded,
+    shard_mlp,
+    shard_model,
+    shard_weight,
+    simulate_tensor_parallel,
+)
 from .quantize import dequantize_kbit, quantize_kbit
 from .serialization import (
     load_quantized,
@@ -30,6 +47,10 @@ __all__ = [
     "HessianAccumulator",
     "KbitExperts",
     "KbitWeight",
+    "NcclGroup",
+    "ShardPlace",
+    "TensorParallelLinear",
+    "TensorParallelMLP",
     "allocate_bits",
     "create_normal_float_codebook",
     "decode_absmax_e4m4",
@@ -38,10 +59,15 @@ __all__ = [
     "fit_codebook",
     "gptq_quantize",
     "hessian_error",
+    "join_model",
+    "join_shards",
     "kbit_gemm",
     "kbit_grouped_gemm",
     "load_quantized",
+    "load_shard",
+    "load_sharded",
     "moe_linear",
+    "parallel_forward",
     "quantize_experts",
     "quantize_kbit",
     "quantize_mixed",
@@ -50,6 +76,12 @@ __all__ = [
     "read_safetensors_metadata",
     "repack_for_gemm",
     "save_quantized",
+    "save_shard",
+    "save_sharded",
+    "shard_mlp",
+    "shard_model",
+    "shard_weight",
+    "simulate_tensor_parallel",
     "unpack_from_gemm",
     "write_safetensors",
 ]
