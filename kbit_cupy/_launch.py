@@ -110,6 +110,20 @@ class Launch:
     def set(self, index: int, value) -> None:
         self._values[index].value = value
 
+    def value(self, index: int):
+        """The ctypes object behind argument ``index`` (hot paths set ``.value``)."""
+        return self._values[index]
+
+    @property
+    def prefix(self) -> tuple:
+        """``cuLaunchKernel``'s arguments before the stream: function, grid, block, shared."""
+        return (self.func, *self.grid, *self.block, self.shared)
+
+    @property
+    def argv(self) -> int:
+        """Address of the kernel-parameter array (``cuLaunchKernel``'s kernelParams)."""
+        return ctypes.addressof(self._argv)
+
     def __call__(self, stream_ptr: int) -> None:
         g, b = self.grid, self.block
         _cupy().cuda.driver.launchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2],

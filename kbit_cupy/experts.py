@@ -24,6 +24,7 @@ from ._arrays import array_module, as_module_array, same_module, to_host
 from .format import BLOCK, check_codebook, check_k
 from .gemm import (
     _GEMM_ARG_TYPES,
+    ACT_DTYPES,
     K_PER_TILE,
     KbitWeight,
     _check_shape,
@@ -272,6 +273,13 @@ def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate
     Raises TypeError (dtypes, places, offsets not integers) and ValueError
     (shapes, offsets not rising from 0 to T, ``out``).
     """
+    if not validate and _cupy_ndarray is not None and type(A) is _cupy_ndarray \
+            and type(experts) is KbitExperts and type(group_offsets) is _cupy_ndarray \
+            and group_offsets.shape == (experts.shape[0] + 1,):
+        C = _fast_launch(experts, A, A.shape[0], False, 1, out,
+                         (A.shape[0], experts.shape[1]), group_offsets)
+        if C is not None:
+            return C
     xp, A = _check_inputs(A, experts)
     E, N, _ = experts.shape
     T = A.shape[0]
@@ -319,18 +327,83 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     stream = _launch.current_stream_ptr()
     key = (C.shape[0], A.dtype, route_ids is not None, ids_per_row, _launch.current_device(),
            stream)
-    launch = experts._plans.get(key)
-    if launch is None:
+    found = experts._plans.get(key)
+    if found is None:
         with _launch.setup_scope():  # one-time work stays out of a graph being captured
             launch = _grouped_launch(experts, A.dtype, C.shape[0], route_ids is not None,
                                      ids_per_row, stream)
-        experts._plans[key] = launch
-    launch.set(3, A.data.ptr)
-    launch.set(4, C.data.ptr)
-    launch.set(15, _launch.device_pointer(offsets))
-    launch.set(17, _launch.device_pointer(row_ids))
-    launch.set(19, _launch.device_pointer(route_ids))
-    launch(stream)
+        found = experts._plans[key] = _GroupedRun(launch)
+        _remember_cupy()
+    found(A.data.ptr, C.data.ptr, _launch.device_pointer(offsets), _launch.device_pointer(row_ids),
+          _launch.device_pointer(route_ids), stream)
+
+
+class _GroupedRun:
+    """A planned grouped launch: the call sets its five pointers and launches."""
+
+    __slots__ = ("_launch", "argv", "prefix", "values")
+
+    def __init__(self, launch):
+        self.prefix, self.argv = launch.prefix, launch.argv
+        self.values = [launch.value(i) for i in (3, 4, 15, 17, 19)]
+        self._launch = launch  # keeps the argument block (and the arrays it names) alive
+
+    def __call__(self, a: int, c: int, offsets: int, row_ids: int, route_ids: int,
+                 stream: int) -> None:
+        v = self.values
+        v[0].value, v[1].value, v[2].value, v[3].value, v[4].value = (a, c, offsets, row_ids,
+                                                                      route_ids)
+        _launch_kernel(*self.prefix, stream, self.argv, 0)
+
+
+_cupy_ndarray = None  # bound on the first GPU call: the fast paths' type test and entry points
+_get_device = _get_current_stream = _launch_kernel = None
+_I32 = np.dtype(np.int32)
+
+
+def _remember_cupy() -> None:
+    global _cupy_ndarray, _get_device, _get_current_stream, _launch_kernel
+    cp = _launch.cupy()
+    _cupy_ndarray, _get_device = cp.ndarray, cp.cuda.runtime.getDevice
+    _get_current_stream, _launch_kernel = cp.cuda.get_current_stream, cp.cuda.driver.launchKernel
+
+
+def _fast_launch(experts: KbitExperts, A, rows: int, routed: bool, ids_per_row: int, out,
+                 out_shape: tuple, ids):
+    """The planned grouped launch for CuPy inputs that need no conversion
+    (``validate=False`` calls): A 2-D contiguous, 16-byte aligned fp16/bf16 of
+    K_dim columns, ``ids`` (group offsets, or routed ids) contiguous int32,
+    everything on the current device, ``out`` None or of the exact shape,
+    dtype and layout. Returns C, or None when anything is not so or no plan
+    exists yet (the checked path then runs, raises its errors, builds it)."""
+    K_dim = experts.shape[2]
+    dev = _get_device()
+    shape, a_mem = A.shape, A.data
+    dtype = A.dtype
+    if (len(shape) != 2 or shape[1] != K_dim or shape[0] == 0 or a_mem.ptr & 15
+            or A.strides != (K_dim * dtype.itemsize, dtype.itemsize)
+            or (dtype != ACT_DTYPES[0] and dtype != ACT_DTYPES[1])
+            or a_mem.device_id != dev or experts.packed.data.device_id != dev
+            or type(ids) is not _cupy_ndarray or ids.dtype != _I32
+            or not ids.flags.c_contiguous or ids.data.device_id != dev):
+        return None
+    stream = _get_current_stream()
+    run = experts._plans.get((rows, dtype, routed, ids_per_row, dev, stream.ptr))
+    if run is None:
+        return None
+    if out is None:
+        C = _launch.empty(out_shape, dtype, math.prod(out_shape) * dtype.itemsize, stream)
+    elif (type(out) is _cupy_ndarray and out.shape == out_shape and out.dtype == dtype
+          and out.flags.c_contiguous and out.data.device_id == dev):
+        C = out
+    else:
+        return None
+    ids_ptr = ids.data.ptr
+    if routed:
+        run(a_mem.ptr, C.data.ptr, 0, 0, ids_ptr, stream.ptr)
+    else:
+        run(a_mem.ptr, C.data.ptr, ids_ptr, 0, 0, stream.ptr)
+    return C
 
 
 def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_row: int,
@@ -462,6 +535,15 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     Raises TypeError (dtypes, places) and ValueError (shapes, ids out of
     range).
     """
+    if not validate and _cupy_ndarray is not None and type(x) is _cupy_ndarray \
+            and type(experts) is KbitExperts and type(topk_ids) is _cupy_ndarray \
+            and topk_ids.ndim == 2 and topk_ids.shape[0] == x.shape[0] \
+            and 0 < topk_ids.size <= _FUSED_ROUTE_MAX_PAIRS:
+        T, top_k = topk_ids.shape
+        C = _fast_launch(experts, x, T * top_k, True, top_k, out,
+                         (T, top_k, experts.shape[1]), topk_ids)
+        if C is not None:
+            return C
     xp, x = as_module_array(x, "x")
     topk_ids = _integer_array(xp, topk_ids, "topk_ids", "x")
     if topk_ids.ndim != 2 or x.ndim != 2 or topk_ids.shape[0] != x.shape[0]:

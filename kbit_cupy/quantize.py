@@ -349,7 +349,7 @@ def _dequantize_fast(packed, absmax, codebook, k, n, dtype, out):
     except (KeyError, TypeError):  # unhashable or not seen yet: the checked path learns it
         return None
     nblocks = -(-total // 32)
-    dev = _launch.current_device()
+    dev = _get_device()
     if (packed.dtype != _U32 or packed.strides != (4,) or packed.size != nblocks * k
             or absmax.strides != (absmax.itemsize,) or absmax.size != nblocks
             or (absmax.dtype != _U8 and absmax.dtype != _F16) or total == 0
@@ -358,20 +358,25 @@ def _dequantize_fast(packed, absmax, codebook, k, n, dtype, out):
             or packed.data.device_id != dev or absmax.data.device_id != dev
             or codebook.data.device_id != dev):
         return None
-    stream = _launch.cupy().cuda.get_current_stream()
+    stream = _get_current_stream()
     if out is None:
         out = _launch.empty(shape, dt, total * dt.itemsize, stream)
     elif (type(out) is not _cupy_ndarray or out.dtype != dt or out.size != total
           or out.data.device_id != dev or not out.flags.c_contiguous):
         return None
-    _dequantize_cuda(packed, absmax, codebook, k, total, out, stream.ptr)
+    _dequantize_cuda(packed, absmax, codebook, k, total, out, stream.ptr, dev)
     return out
+
+
+_get_device = _get_current_stream = None
 
 
 def _learn_fast(n, dtype, total, shape, dt) -> None:
     """Remember what the checked path accepted, for the fast path."""
-    global _cupy_ndarray
-    _cupy_ndarray = _launch.cupy().ndarray
+    global _cupy_ndarray, _get_device, _get_current_stream
+    cp = _launch.cupy()
+    _cupy_ndarray, _get_current_stream = cp.ndarray, cp.cuda.get_current_stream
+    _get_device = cp.cuda.runtime.getDevice
     try:
         if len(_fast_shapes) < 1024:
             _fast_shapes[n] = (total, shape)
@@ -427,37 +432,41 @@ def _dequantize_geometry(n: int) -> tuple[tuple, tuple]:
 
 _DTYPE_NAMES = {np.dtype(d): np.dtype(d).name for d in (np.float16, np.float32, np.uint8)}
 _DTYPE_NAMES[BFLOAT16] = "bfloat16"
-_dequantize_launches: dict[tuple, _launch.Launch] = {}
+_dequantize_launches: dict[tuple, tuple] = {}
 _DEQUANTIZE_ARGS = (_launch.POINTER,) * 3 + (_launch.INT64, _launch.POINTER, _launch.INT32)
 
 
 def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out,
-                     stream: int | None = None) -> None:
+                     stream: int | None = None, dev: int | None = None) -> None:
     """Launch the dequantize kernel into the flat contiguous ``flat_out``.
 
-    One argument block per (variant, device, stream), built on first use; a
-    call sets the pointers, the size and the grid (CuPy's kernel call costs
-    about 20 us of host time here, this about 4)."""
+    One argument block per (variant, size, device, stream), built on first
+    use; a call sets five pointers and launches (CuPy's kernel call costs
+    about 20 us of host time here, this a few)."""
     if stream is None:
         stream = _launch.current_stream_ptr()
-    key = (k, flat_out.dtype, absmax.dtype, _launch.current_device(), stream)
-    launch = _dequantize_launches.get(key)
-    if launch is None:
+    if dev is None:
+        dev = _launch.current_device()
+    key = (k, flat_out.dtype, absmax.dtype, n, dev, stream)
+    found = _dequantize_launches.get(key)
+    if found is None:
         with _launch.setup_scope():
             kernel = _jit.get_kernel("dequantize", k, _DTYPE_NAMES[flat_out.dtype],
                                      _DTYPE_NAMES[absmax.dtype])
-            launch = _launch.Launch(kernel, (1,), (_THREADS,), 0, _DEQUANTIZE_ARGS,
-                                    (0, 0, 0, 0, 0, 0))
-        _dequantize_launches[key] = launch
+            grid, block = _dequantize_geometry(n)
+            launch = _launch.Launch(kernel, grid, block, 0, _DEQUANTIZE_ARGS, (0, 0, 0, n, 0, 0))
+        if len(_dequantize_launches) > 4096:  # many sizes: start over rather than grow
+            _dequantize_launches.clear()
+        found = _dequantize_launches[key] = (launch.prefix, launch.argv,
+                                             [launch.value(i) for i in (0, 1, 2, 4, 5)], launch)
+    prefix, argv, values, _ = found
     out_ptr = flat_out.data.ptr
-    launch.grid = _dequantize_geometry(n)[0] + (1, 1)
-    launch.set(0, packed.data.ptr)
-    launch.set(1, absmax.data.ptr)
-    launch.set(2, codebook.data.ptr)
-    launch.set(3, n)
-    launch.set(4, out_ptr)
-    launch.set(5, int(out_ptr % 16 == 0))
-    launch(stream)
+    values[0].value = packed.data.ptr
+    values[1].value = absmax.data.ptr
+    values[2].value = codebook.data.ptr
+    values[3].value = out_ptr
+    values[4].value = 0 if out_ptr & 15 else 1
+    _launch.cupy().cuda.driver.launchKernel(*prefix, stream, argv, 0)
 
 
 __all__ = ["BLOCK", "E4M4_LIMIT", "dequantize_kbit", "quantize_kbit"]

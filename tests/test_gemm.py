@@ -227,3 +227,85 @@ def test_tensor_map_encoder_is_optional(monkeypatch):
     assert gemm._libcuda_encoder() is None
     assert gemm._tensor_maps_available() is False
     monkeypatch.setattr(gemm, "_libcuda", None)  # the next call loads again
+
+
+class _FakeMemory:
+    def __init__(self, ptr, device_id=0):
+        self.ptr, self.device_id = ptr, device_id
+
+
+class _FakeDeviceArray:
+    """Just what kbit_gemm's fast path reads of a CuPy array (no GPU here)."""
+
+    def __init__(self, shape, dtype, ptr):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        strides, step = [], self.dtype.itemsize
+        for d in reversed(self.shape):
+            strides.append(step)
+            step *= d
+        self.strides = tuple(reversed(strides))
+        self.data = _FakeMemory(ptr)
+
+
+class _FakeStream:
+    ptr = 7
+
+    def is_capturing(self):
+        return False
+
+
+def test_cached_calls_do_no_per_call_planning(monkeypatch):
+    """Issue 18: after a plan exists for (A shape, dtype, kernel, stream), 1,000
+    calls run none of the compile, dispatch, repack, geometry or checking
+    helpers and launch with A's and C's pointers (the GPU test
+    test_gpu_callpath.py::test_cached_calls_do_no_planning runs the real thing)."""
+    import ctypes
+
+    from kbit_cupy import _jit, gemm
+
+    rng = np.random.default_rng(0)
+    w = quantize_weight(rng.standard_normal((64, 256)).astype(np.float32), k=4)
+    a_val, c_val = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    plan = object.__new__(gemm._GemmPlan)
+    plan.device, plan.dtype, plan.out_shape = 0, np.dtype(np.float16), (3, 64)
+    plan.out_strides, plan.out_nbytes, plan.a_strides = (128, 2), 384, (512, 2)
+    plan.M, plan.N, plan.K_dim, plan.scratch, plan.launches = 3, 64, 256, None, []
+    plan.spare = None
+    plan.single = ((11, 1, 1, 1, 128, 1, 1, 0), 99, a_val, c_val)
+    w._plans[((3, 256), np.dtype(np.float16), "auto", _FakeStream.ptr)] = plan
+    launched = []
+    monkeypatch.setattr(gemm, "_cupy_ndarray", _FakeDeviceArray)
+    monkeypatch.setattr(gemm, "_get_current_stream", _FakeStream)
+    monkeypatch.setattr(gemm, "_get_device", lambda: 0)
+    monkeypatch.setattr(gemm, "_launch_kernel",
+                        lambda *args: launched.append((args, a_val.value, c_val.value)))
+    outputs = iter(range(10**6, 10**7, 4096))
+    monkeypatch.setattr(gemm, "_alloc", lambda nbytes: next(outputs))
+    counts = {}
+
+    def counting(module, name):
+        def wrapper(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            raise AssertionError(f"{name} called on the fast path")
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in [(_jit, "get_kernel"), (gemm, "choose_kernel"), (gemm, "_work_split"),
+                         (gemm, "launch_ctas_per_sm"), (gemm, "repack_for_gemm"),
+                         (gemm, "_check_activations"), (gemm, "_plan_launch"),
+                         (gemm, "_GemmPlan")]:
+        counting(module, name)
+    A = _FakeDeviceArray((3, 256), np.float16, 4096)
+    kept = [kbit_gemm(A, w) for _ in range(3)]  # results the caller keeps are never reused
+    assert len({c.data.ptr for c in kept}) == 3
+    for _ in range(1000):
+        C = kbit_gemm(A, w)
+        assert C.shape == (3, 64)
+    assert C.data.ptr not in {c.data.ptr for c in kept}
+    assert counts == {}
+    assert len(launched) == 1003
+    args, a, c = launched[-1]
+    assert args[:8] == (11, 1, 1, 1, 128, 1, 1, 0) and args[8] == _FakeStream.ptr
+    assert a == 4096 and c == C.data.ptr
+    # an A the plan does not take (misaligned) goes to the checked path
+    with pytest.raises(AssertionError, match="_check_activations"):
+        kbit_gemm(_FakeDeviceArray((3, 256), np.float16, 4098), w)
