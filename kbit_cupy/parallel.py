@@ -963,3 +963,78 @@ class TensorParallelMLP:
         y = self.down(a)
         self.buffers = (h, a, *self.down.buffers)
         return y
+
+
+# --------------------------------------------------------------------------
+# one process per GPU
+
+
+def run_on_gpus(fn, n_gpus: int, *args, timeout_s: float = 1800.0) -> list:
+    """``fn(group, *args)`` in ``n_gpus`` new processes, rank r on GPU r.
+
+    The NCCL unique id is made here and passed to every process, which
+    makes its ``NcclGroup`` (size ``n_gpus``) and calls ``fn``; ``fn`` and
+    ``args`` must be picklable (a module-level function). Returns the ranks'
+    return values in rank order. If a rank raises or dies, or ``timeout_s``
+    passes, the other ranks (which may be waiting in a collective) are
+    terminated and RuntimeError / TimeoutError names the rank and its error:
+    no hang.
+    """
+    import multiprocessing
+    import queue
+    import time
+
+    import cupy as cp
+
+    n = _check_count(n_gpus)
+    available = cp.cuda.runtime.getDeviceCount()
+    if n > available:
+        raise ValueError(f"n_gpus={n} but this machine has {available} GPUs")
+    unique_id = new_unique_id()
+    ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, n, unique_id, args, results),
+                         name=f"kbit-rank-{r}") for r in range(n)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(n)) - out.keys())} did not finish "
+                                   f"within {timeout_s} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0][0]} exited with code {dead[0][1]} before "
+                                       "returning") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed: {value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive() and len(out) < n:
+                p.terminate()  # waiting for a peer that will never come
+        for p in procs:
+            p.join(timeout=60)
+    return [out[r] for r in range(n)]
+
+
+def _rank_main(fn, rank: int, size: int, unique_id: tuple, args: tuple, results) -> None:
+    import traceback
+
+    try:
+        import cupy as cp
+
+        cp.cuda.Device(rank).use()
+        group = NcclGroup.create(unique_id, size, rank, rank)
+        results.put((rank, True, fn(group, *args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the rest
+        tail = traceback.format_exc(limit=-3)
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{tail}"))
