@@ -577,15 +577,16 @@ def _nccl_type(dtype) -> int:
 
 
 def _group_calls(groups_and_calls) -> None:
-    """Run ``(group, call)`` pairs; several at once (one process driving
-    several GPUs) inside ncclGroupStart/End so that no call waits for a peer
-    this thread has not reached yet."""
-    if len(groups_and_calls) == 1:
-        group, call = groups_and_calls[0]
-        call()
-        return
+    """Run ``(group, call)`` pairs, each under its group's device; several at
+    once (one process driving several GPUs) inside ncclGroupStart/End so
+    that no call waits for a peer this thread has not reached yet."""
     import cupy as cp
 
+    if len(groups_and_calls) == 1:
+        group, call = groups_and_calls[0]
+        with cp.cuda.Device(group.device):
+            call()
+        return
     first = groups_and_calls[0][0]
     first.group_start()
     try:
