@@ -44,6 +44,13 @@ sizes where the all-reduce is pure latency. ``reduce_dtype="auto"`` (the
 default) therefore sums in the activation dtype up to
 ``AUTO_ACTIVATION_MAX_SHARDS`` shards and in float32 beyond;
 ``"activation"`` and ``"float32"`` force one.
+
+Limit: because the partials are rounded before they are summed, an output
+whose partials cancel carries their rounding error, not the result's. Over a
+layer's output the Frobenius bound holds as measured above, but a tiny output
+(a few elements) can pass it (one bf16 element of 4 shards: 1.4e-2), in
+either reduce dtype. Float32 partials from ``kbit_gemm`` (an output dtype it
+does not offer yet) would remove this.
 """
 
 from __future__ import annotations
