@@ -9,9 +9,14 @@ The weight ``W`` is ``[N, K_dim]`` fp16 N(0, 0.02); the Hessian is
 ``X^T X / T`` of ``T = 2 K_dim`` correlated Gaussian input rows (random SPD,
 fixed seed), built on the device it is used on. Per configuration (plain
 GPTQ, + scale search, + scale search + fitted codebook) one untimed warm-up
-on a small layer compiles the kernels, then one synchronised call is timed
-(the whole call: Cholesky of the inverse Hessian, the GPTQ passes, the RTN
-guard). Prints one JSON line:
+on a small layer compiles the kernels, then ``--repeat`` synchronised calls
+are timed (the whole call: the inverse Hessian's Cholesky factor, the GPTQ
+passes, the RTN guard): ``seconds`` is the fastest, ``first_seconds`` the
+first. ``phases`` times the parts of a plain call once: the factorisation
+(``_inverse_cholesky``) and one GPTQ pass (``_gptq_pass``). On the GPU,
+``check`` first compares the CUDA block kernel with the NumPy block step bit
+for bit (k = 2..5, 8 candidate scales, the refit's outputs; 0 mismatches
+expected) and stops with exit status 1 if they differ. Prints one JSON line:
 ``{"gpu": {...seconds per config...}, "cpu": {...}, ...}``.
 """
 
@@ -32,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from kbit_cupy import calibrate
 from kbit_cupy.calibrate import gptq_quantize
 
 CONFIGS = {
@@ -63,21 +69,52 @@ def random_layer(xp, N: int, K_dim: int, seed: int = 0):
     return W, H
 
 
-def time_configs(xp, N: int, K_dim: int, k: int, sync) -> dict:
+def time_configs(xp, N: int, K_dim: int, k: int, sync, repeat: int = 1) -> dict:
     warm_W, warm_H = random_layer(xp, 64, 256, seed=1)
     W, H = random_layer(xp, N, K_dim)
     sync()
-    out = {"shape": [N, K_dim], "k": k}
+    out = {"shape": [N, K_dim], "k": k, "phases": phases(xp, W, H, k, sync)}
     for name, options in CONFIGS.items():
         gptq_quantize(warm_W, k, hessian=warm_H, **options)
         sync()
-        start = time.perf_counter()
-        _, report = gptq_quantize(W, k, hessian=H, return_report=True, **options)
-        sync()
-        out[name] = {"seconds": round(time.perf_counter() - start, 3),
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            _, report = gptq_quantize(W, k, hessian=H, return_report=True, **options)
+            sync()
+            times.append(round(time.perf_counter() - start, 3))
+        out[name] = {"seconds": min(times), "first_seconds": times[0],
                      "h_error_vs_rtn": round(report.error / report.rtn_error, 4),
                      "chosen": report.chosen}
     return out
+
+
+def phases(xp, W, H, k: int, sync) -> dict:
+    """Seconds of the factorisation and of one plain GPTQ pass (after a small warm-up)."""
+    small = random_layer(xp, 64, 256, seed=2)
+    W32 = xp.ascontiguousarray(W.astype(xp.float32))
+    codebook = calibrate.create_normal_float_codebook(k)
+    timings = {}
+    for label, (weight, hessian) in (("warm-up", small), ("timed", (W32, H))):
+        sync()
+        start = time.perf_counter()
+        U, _ = calibrate._inverse_cholesky(xp, hessian.astype(xp.float64), calibrate.DEFAULT_DAMP)
+        sync()
+        middle = time.perf_counter()
+        calibrate._gptq_pass(xp, xp.ascontiguousarray(weight.astype(xp.float32)), U, codebook, k,
+                             "e4m4", np.ones(1), 128, False)
+        sync()
+        if label == "timed":
+            timings = {"inverse_cholesky_seconds": round(middle - start, 3),
+                       "one_pass_seconds": round(time.perf_counter() - middle, 3)}
+    return timings
+
+
+def gpu_check() -> int:
+    """Mismatching outputs of the CUDA block kernel against the NumPy block step."""
+    return sum(calibrate._compare_device_blocks(192, 256, k, scale_search=8, seed=k)
+               + calibrate._compare_device_blocks(64, 128, k, absmax_format="fp16", seed=k)
+               for k in (2, 3, 4, 5))
 
 
 def main() -> None:
@@ -85,6 +122,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--shape", default="4096x14336", help="GPU layer N x K_dim")
     ap.add_argument("--cpu-shape", default="1024x4096", help="CPU layer N x K_dim")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="timed calls per configuration (default: 2 on the GPU, 1 on the CPU)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--cpu-only", action="store_true")
     group.add_argument("--gpu-only", action="store_true")
@@ -97,11 +136,16 @@ def main() -> None:
 
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         result["gpu_name"] = props["name"].decode()
+        result["check_mismatches"] = gpu_check()
+        if result["check_mismatches"]:
+            print(json.dumps(result))
+            sys.exit("the CUDA block kernel does not match the NumPy block step")
         result["gpu"] = time_configs(cp, *_shape(args.shape), args.k,
-                                     cp.cuda.Device().synchronize)
+                                     cp.cuda.Device().synchronize, args.repeat or 2)
     if not args.gpu_only:
         result["cpu_name"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-        result["cpu"] = time_configs(np, *_shape(args.cpu_shape), args.k, lambda: None)
+        result["cpu"] = time_configs(np, *_shape(args.cpu_shape), args.k, lambda: None,
+                                     args.repeat or 1)
     print(json.dumps(result))
 
 

@@ -1,10 +1,18 @@
 """Calibrated quantization (kbit_cupy.calibrate): GPTQ in the kbit format.
 
-CPU tests run the NumPy path; the one GPU test (``gpu`` marker) checks the
-CuPy path against itself, against RTN and against the NumPy path's quality.
+CPU tests run the NumPy path, and the CUDA block kernel's source compiled as
+host C++ (g++, stand-ins for the CUDA built-ins) through the GPU path's own
+orchestration: it must give the NumPy path's bits. The GPU tests (``gpu``
+marker) check the kernel itself against the NumPy block step, and the CuPy
+path against itself, against RTN and against the NumPy path's quality.
 """
 
 from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -12,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kbit_cupy as kc
+from kbit_cupy import calibrate
 from kbit_cupy._arrays import gpu_available
 from kbit_cupy.calibrate import HessianAccumulator, allocate_bits, bits_per_weight, gptq_quantize
 from kbit_cupy.format import (
@@ -208,3 +217,145 @@ def test_gpu_path_is_deterministic_exact_in_the_format_and_beats_rtn():
         error_gpu = kc.hessian_error(W, host, H)
         assert error_gpu <= kc.hessian_error(W, kc.quantize_weight(W, 3), H)
         assert error_gpu <= 1.1 * kc.hessian_error(W, on_cpu, H)
+
+
+# --------------------------------------------------------------------------
+# the CUDA block kernel, compiled for the host
+
+_SHIM = r"""
+#include <cmath>
+#include <cstring>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __restrict__
+#define __shared__ static
+struct HostDim { unsigned x; };
+static HostDim threadIdx, blockIdx, blockDim;
+static inline void __syncthreads() {}
+template <typename T, typename F> static inline T bits_as(F f) {
+  T t; std::memcpy(&t, &f, sizeof t); return t;
+}
+static inline float __int_as_float(int i) { return bits_as<float>(i); }
+static inline float __uint_as_float(unsigned i) { return bits_as<float>(i); }
+static inline unsigned __float_as_uint(float f) { return bits_as<unsigned>(f); }
+static inline unsigned __float2uint_rn(float f) { return (unsigned)std::nearbyint(f); }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline unsigned atomicMax(unsigned* p, unsigned v) {
+  unsigned o = *p; if (v > o) *p = v; return o;
+}
+static inline int __shfl_up_sync(unsigned, int v, int) { return v; }
+struct __half { _Float16 h; };
+struct __nv_bfloat16 { unsigned short x; };
+static inline __half __float2half_rn(float f) { return __half{(_Float16)f}; }
+static inline float __half2float(__half h) { return (float)h.h; }
+static inline unsigned short __half_as_ushort(__half h) { return bits_as<unsigned short>(h.h); }
+static inline bool __hisinf(__half h) { return std::isinf((float)h.h); }
+static inline float __bfloat162float(__nv_bfloat16 b) { return bits_as<float>((unsigned)b.x << 16); }
+"""
+
+
+class _HostKernel:
+    """``kbit_gptq_block`` built by g++ (one "CTA" of one thread per row); called as
+    CuPy calls a RawKernel, with NumPy arrays."""
+
+    def __init__(self, lib):
+        self.lib, self.launches = lib, 0
+
+    def __call__(self, grid, block, args):
+        self.launches += 1
+        converted = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                converted.append(ctypes.c_void_p(a.ctypes.data))
+            elif isinstance(a, np.int64):
+                converted.append(ctypes.c_longlong(int(a)))
+            elif isinstance(a, np.int32):
+                converted.append(ctypes.c_int(int(a)))
+            elif isinstance(a, np.float32):
+                converted.append(ctypes.c_float(float(a)))
+            else:
+                raise TypeError(f"unexpected kernel argument {type(a)}")
+        for row in range(int(args[2])):
+            self.lib.set_block(row)
+            self.lib.kbit_gptq_block(*converted)
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++ to build the CUDA block kernel for the host")
+    from kbit_cupy._jit import render_source
+
+    source = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "",
+                    render_source("gptq", calibrate._KERNEL_SOURCE))
+    source = (_SHIM + source + '\nextern "C" void set_block(unsigned b) '
+              "{ blockIdx.x = b; threadIdx.x = 0; blockDim.x = 1; }\n")
+    folder = tmp_path_factory.mktemp("gptq_kernel")
+    (folder / "kernel.cpp").write_text(source)
+    built = subprocess.run([compiler, "-O2", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC",
+                            "-o", str(folder / "kernel.so"), str(folder / "kernel.cpp")],
+                           capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr[-4000:]
+    return _HostKernel(ctypes.CDLL(str(folder / "kernel.so")))
+
+
+def _device_path_on_host(monkeypatch, kernel):
+    """Route gptq_quantize's NumPy path through _DeviceBlocks and the host-built kernel."""
+    monkeypatch.setattr(calibrate, "_gptq_kernel", lambda: kernel)
+    monkeypatch.setattr(calibrate, "_HostBlocks",
+                        lambda *args: calibrate._DeviceBlocks(np, *args))
+
+
+N_ROWS = 40
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("options", OPTIONS + [{"absmax_format": "fp16", "scale_search": 2,
+                                                "fit_codebook": 1}],
+                         ids=lambda o: ",".join(o) or "plain")
+def test_cuda_block_kernel_source_gives_the_numpy_bits(k, options, host_kernel, monkeypatch):
+    rng = np.random.default_rng(10 + k)
+    W, H = _layer(rng, N_ROWS, 192)
+    expected = gptq_quantize(W, k, hessian=H, block_columns=64, guard_rtn=False, **options)
+    _device_path_on_host(monkeypatch, host_kernel)
+    launches = host_kernel.launches
+    got = gptq_quantize(W, k, hessian=H, block_columns=64, guard_rtn=False, **options)
+    passes = 1 + (1 if options.get("fit_codebook") else 0)
+    assert host_kernel.launches - launches == passes * 192 // BLOCK  # one launch per block
+    for name in ("packed", "absmax", "codebook"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name))
+
+
+def test_cuda_block_kernel_source_brute_force_codebook_and_overflow(host_kernel, monkeypatch):
+    rng = np.random.default_rng(11)
+    W, H = _layer(rng, N_ROWS, 96)
+    codebook = kc.create_normal_float_codebook(3)
+    codebook[4] = codebook[3] + np.float32(1e-7)  # near-equal entries: no fast plan
+    assert not calibrate._plan_for(3, codebook.tobytes()).fast
+    expected = gptq_quantize(W, 3, codebook, hessian=H, scale_search=3, guard_rtn=False)
+    with pytest.raises(ValueError, match="too large for E4M4"):  # at the first such block
+        gptq_quantize(W * np.float16(800), 3, hessian=H)
+    _device_path_on_host(monkeypatch, host_kernel)
+    got = gptq_quantize(W, 3, codebook, hessian=H, scale_search=3, guard_rtn=False)
+    for name in ("packed", "absmax", "codebook"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name))
+    with pytest.raises(ValueError, match="too large for E4M4"):  # the largest, after the pass
+        gptq_quantize(W * np.float16(800), 3, hessian=H)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("options", [{}, {"scale_search": 8}, {"absmax_format": "fp16"}],
+                         ids=lambda o: ",".join(o) or "plain")
+def test_gpu_block_kernel_matches_the_numpy_block_step(options):
+    for k in (2, 3, 4, 5):
+        assert calibrate._compare_device_blocks(200, 160, k, seed=k, **options) == 0
