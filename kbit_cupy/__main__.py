@@ -226,6 +226,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("info", help=cmd_info.__doc__)
     p.add_argument("--verbose", "-v", action="store_true", help="list every compiled variant")
     p.set_defaults(func=cmd_info)
+    from .convert import add_commands as add_convert_commands
+
+    add_convert_commands(sub)
     from .bench.cli import add_commands as add_bench_commands
 
     add_bench_commands(sub)

@@ -32,13 +32,17 @@ device path is refused instead of blocking.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import re
+import sys
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -51,8 +55,9 @@ from ._arrays import (
     is_device_array,
     to_host,
 )
-from ._files import atomic_write, open_regular
+from ._files import atomic_write, open_regular, write_text
 from .experts import KbitExperts
+from .format import nblocks_for
 from .gemm import KbitWeight
 from .quantize import ABSMAX_FORMATS
 
@@ -245,6 +250,17 @@ def _read_header(f, path) -> tuple[list[_Entry], dict[str, str], int]:
     return entries, metadata, data_start
 
 
+def _read_entry(f, path, entry: _Entry, data_start: int | None = None) -> np.ndarray:
+    """One tensor from open file ``f``, at the current position or at ``data_start + begin``."""
+    if data_start is not None:
+        f.seek(data_start + entry.begin)
+    # One fresh array per tensor: aligned, writable, freed independently.
+    array = np.empty(entry.shape, dtype=entry.dtype)
+    if f.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:
+        raise _bad_file(path, f"tensor {entry.name!r}: the file ended early")
+    return array
+
+
 def _read_host(path, checker: Callable[[dict[str, str]], Callable] | None = None
                ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors as NumPy arrays (in file order) and the whole ``__metadata__``.
@@ -259,10 +275,7 @@ def _read_host(path, checker: Callable[[dict[str, str]], Callable] | None = None
         f.seek(data_start)  # entries tile the data in order: one sequential read
         tensors = {}
         for entry in entries:
-            # One fresh array per tensor: aligned, writable, freed independently.
-            array = np.empty(entry.shape, dtype=entry.dtype)
-            if f.readinto(array.reshape(-1).view(np.uint8)) != array.nbytes:
-                raise _bad_file(path, f"tensor {entry.name!r}: the file ended early")
+            array = _read_entry(f, path, entry)
             if check is not None:
                 check(entry.name, array)
             tensors[entry.name] = array
@@ -359,26 +372,36 @@ def _check_metadata(path, metadata) -> dict[str, str]:
     return dict(metadata)
 
 
-def _write(path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """Write validated host arrays; ``metadata`` may hold the reserved key."""
-    # Widest items first: with the data 8-byte aligned, every tensor then
-    # starts at a multiple of its item size (what the reference writer does).
-    order = sorted(tensors, key=lambda name: -tensors[name].dtype.itemsize)
+def _header_bytes(path, specs: dict[str, tuple[np.dtype, tuple]], metadata: dict[str, str]
+                  ) -> tuple[dict[str, tuple[int, int]], bytes]:
+    """``({name: (begin, end)}, length + header)`` for tensors ``{name: (dtype, shape)}``.
+
+    The offsets dict is in file order: widest items first (stable), so with
+    the data 8-byte aligned every tensor starts at a multiple of its item
+    size (what the reference writer does).
+    """
+    order = sorted(specs, key=lambda name: -specs[name][0].itemsize)
     header: dict = {"__metadata__": metadata} if metadata else {}
+    offsets = {}
     position = 0
     for name in order:
-        array = tensors[name]
-        header[name] = {
-            "dtype": _dtype_name(path, name, array.dtype),
-            "shape": list(array.shape),
-            "data_offsets": [position, position + array.nbytes],
-        }
-        position += array.nbytes
+        dtype, shape = specs[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        offsets[name] = (position, position + nbytes)
+        header[name] = {"dtype": _dtype_name(path, name, dtype), "shape": list(shape),
+                        "data_offsets": [position, position + nbytes]}
+        position += nbytes
     header_json = json.dumps(header, separators=(",", ":")).encode("utf-8")
     header_json += b" " * (-(_HEADER_LENGTH_BYTES + len(header_json)) % _ALIGN)
+    return offsets, len(header_json).to_bytes(_HEADER_LENGTH_BYTES, "little") + header_json
+
+
+def _write(path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """Write validated host arrays; ``metadata`` may hold the reserved key."""
+    order, header = _header_bytes(
+        path, {name: (array.dtype, array.shape) for name, array in tensors.items()}, metadata)
     with atomic_write(path) as f:
-        f.write(len(header_json).to_bytes(_HEADER_LENGTH_BYTES, "little"))
-        f.write(header_json)
+        f.write(header)
         for name in order:
             f.write(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8))
 
@@ -463,8 +486,14 @@ def save_quantized(
             owner[tensor_name] = name
             tensors[tensor_name] = _host_tensor(path, tensor_name, array)
     checksums = {name: _checksum(path, name, array) for name, array in tensors.items()}
+    _write(path, tensors, _quantized_metadata(user_metadata, weights, checksums))
+
+
+def _quantized_metadata(user: dict[str, str], weights: dict, checksums: dict[str, str]
+                        ) -> dict[str, str]:
+    """The ``__metadata__`` of a quantized file: the user's entries and the format document."""
     document = {"format_version": FORMAT_VERSION, "weights": weights, _CHECKSUM_KEY: checksums}
-    _write(path, tensors, {**user_metadata, METADATA_KEY: json.dumps(document)})
+    return {**user, METADATA_KEY: json.dumps(document)}
 
 
 def _checksum(path, name: str, array: np.ndarray) -> str:
@@ -625,3 +654,347 @@ def load_quantized(path: str | os.PathLike, *, device: str = "cpu", verify: bool
             raise _bad_file(path, f"{name!r} is both a plain tensor and a quantized weight")
         model[name] = array
     return {name: _on_device(value, device) for name, value in model.items()}
+
+
+# --------------------------------------------------------------------------
+# streaming and sharded checkpoints (python -m kbit_cupy quantize-model, inspect)
+#
+# Kept here rather than taken from the safetensors package: its NumPy API
+# (safe_open(framework="numpy")) reads one tensor at a time too, but has no
+# bfloat16 (most LLM checkpoints) and no writer that fills a file tensor by
+# tensor; and this module already owns the checks above.
+
+SINGLE_FILE = "model.safetensors"  # Hugging Face's names for a checkpoint's files
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsReader:
+    """A safetensors file read one tensor at a time (peak memory: one tensor).
+
+    ``with SafetensorsReader(path) as reader:`` reads and checks the header
+    as ``read_safetensors`` does, so a truncated or damaged file is refused
+    before any tensor is read. Then:
+
+    - ``reader.names``: the tensor names in file order;
+    - ``reader.info(name)``: ``(dtype, shape)``;
+    - ``reader.read(name)``: a fresh C-contiguous NumPy array;
+    - ``iter(reader)``: ``(name, array)`` pairs in file order;
+    - ``reader.metadata``: the whole ``__metadata__`` (``{}`` if none);
+    - ``reader.document()``: the kbit_cupy document of a ``save_quantized``
+      file, checked as ``load_quantized`` checks it (ValueError for a plain
+      file).
+
+    Raises what ``read_safetensors`` raises, naming the file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        check_path(path)
+        self.path = path
+        self._file = open_regular(path)
+        try:
+            entries, self.metadata, self._data_start = _read_header(self._file, path)
+        except BaseException:
+            self._file.close()
+            raise
+        self._entries = {entry.name: entry for entry in entries}
+        self.names = list(self._entries)
+        self.data_bytes = sum(entry.end - entry.begin for entry in entries)
+
+    def info(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        entry = self._entry(name)
+        return entry.dtype, entry.shape
+
+    def read(self, name: str) -> np.ndarray:
+        return _read_entry(self._file, self.path, self._entry(name), self._data_start)
+
+    def document(self) -> dict:
+        return _document(self.path, self.metadata)
+
+    def __iter__(self):
+        for name in self.names:
+            yield name, self.read(name)
+
+    def _entry(self, name: str) -> _Entry:
+        if name not in self._entries:
+            raise KeyError(f"{os.fspath(self.path)} has no tensor {name!r}")
+        return self._entries[name]
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """What ``QuantizedWriter`` reserves for one ``KbitWeight``: ``k``, ``shape``
+    ``(N, K_dim)`` and the scale format (``"e4m4"`` or ``"fp16"``)."""
+
+    k: int
+    shape: tuple[int, int]
+    absmax_format: str = "e4m4"
+
+    def tensors(self, name: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """The stored tensors ``{name.packed: (dtype, shape), ...}`` (module docstring)."""
+        nblocks = nblocks_for(math.prod(self.shape))
+        return {f"{name}.packed": (np.dtype(np.uint32), (nblocks * self.k,)),
+                f"{name}.absmax": (ABSMAX_FORMATS[self.absmax_format], (nblocks,)),
+                f"{name}.codebook": (np.dtype(np.float32), (1 << self.k,))}
+
+
+_PLACEHOLDER_CRC = "0" * 8  # as wide as every real checksum: the header's length is final
+
+
+class QuantizedWriter:
+    """``save_quantized`` one entry at a time, for models larger than memory.
+
+    layout : ``{name: WeightLayout | (dtype, shape)}``, every entry of the
+        model in the order ``save_quantized`` would be given them.
+    metadata : optional ``{str: str}``, as for ``save_quantized``.
+
+    ``with QuantizedWriter(path, layout, metadata) as out: out.add(name, value)``
+    for every entry, in any order (``value`` a ``KbitWeight`` for a
+    ``WeightLayout``, else an array of that dtype and shape; NumPy or CuPy).
+    Each tensor goes straight to its place in the file and is not kept, so
+    memory holds one entry at a time. The header is written first with
+    placeholder checksums and rewritten, at the same length, when the
+    ``with`` block ends. The result is byte for byte the file
+    ``save_quantized(path, model, metadata)`` writes for the same model.
+
+    The file is written through ``atomic_write``: an error inside the block,
+    an entry never added (ValueError naming it), a full disk or Ctrl-C leaves
+    no file under ``path`` (an old one stays as it was) and no temporary.
+    ``add`` raises ValueError for a name not in the layout, one added twice,
+    or a value whose k, shape, scale format or dtype differ from its layout;
+    TypeError for a ``KbitWeight`` where an array was laid out or the reverse.
+    """
+
+    def __init__(self, path: str | os.PathLike, layout: Mapping,
+                 metadata: Mapping[str, str] | None = None):
+        check_path(path)
+        check_mapping(layout, "layout", "{name: WeightLayout | (dtype, shape)}")
+        self.path = path
+        self._user = _check_metadata(path, metadata)
+        self._specs: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}  # tensor -> dtype, shape
+        self._parts: dict[str, list[str]] = {}  # layout entry -> its tensor names
+        self._weights: dict[str, dict] = {}  # the document's "weights"
+        for name, spec in layout.items():
+            _check_name(path, name)
+            if isinstance(spec, WeightLayout):
+                tensors = spec.tensors(name)
+                self._weights[name] = {"k": spec.k, "shape": list(spec.shape),
+                                       "absmax_format": spec.absmax_format}
+            else:
+                dtype, shape = spec
+                tensors = {name: (np.dtype(dtype), tuple(int(d) for d in shape))}
+            for tensor_name, (dtype, _) in tensors.items():
+                if tensor_name in self._specs:
+                    raise ValueError(f"{os.fspath(path)}: two layout entries need the tensor "
+                                     f"name {tensor_name!r}; rename one of them")
+                _dtype_name(path, tensor_name, dtype)
+            self._specs.update(tensors)
+            self._parts[name] = list(tensors)
+        self._checksums = dict.fromkeys(self._specs, _PLACEHOLDER_CRC)
+        self._offsets, header = self._header()
+        self._data_start = len(header)
+        self._added: set[str] = set()
+        self._stack: contextlib.ExitStack | None = None
+        self._file = None
+
+    def _header(self) -> tuple[dict[str, tuple[int, int]], bytes]:
+        metadata = _quantized_metadata(self._user, self._weights, self._checksums)
+        return _header_bytes(self.path, self._specs, metadata)
+
+    def __enter__(self):
+        with contextlib.ExitStack() as stack:
+            self._file = stack.enter_context(atomic_write(self.path))
+            self._file.write(self._header()[1])
+            self._stack = stack.pop_all()
+        return self
+
+    def add(self, name: str, value) -> None:
+        """Write entry ``name`` (see the class docstring)."""
+        if self._file is None:
+            raise ValueError("QuantizedWriter.add needs an open writer: use it in a with block")
+        where = f"{os.fspath(self.path)}: {name!r}"
+        if name not in self._parts:
+            raise ValueError(f"{where} is not in the layout given to QuantizedWriter")
+        if name in self._added:
+            raise ValueError(f"{where} was added twice")
+        if (name in self._weights) != isinstance(value, KbitWeight):
+            wanted = "a KbitWeight" if name in self._weights else "an array"
+            raise TypeError(f"{where} was laid out as {wanted}, got {type(value).__name__}")
+        if isinstance(value, KbitWeight):
+            spec = self._weights[name]
+            given = {"k": value.k, "shape": list(value.shape),
+                     "absmax_format": value.absmax_format}
+            if given != spec:
+                raise ValueError(f"{where} is {given}, the layout says {spec}")
+            parts = {f"{name}.{part}": getattr(value, part) for part in WEIGHT_PARTS}
+        else:
+            parts = {name: value}
+        for tensor_name, array in parts.items():
+            host = _host_tensor(self.path, tensor_name, array)
+            if (host.dtype, host.shape) != self._specs[tensor_name]:
+                dtype, shape = self._specs[tensor_name]
+                raise ValueError(f"{os.fspath(self.path)}: {tensor_name!r} is {host.dtype} "
+                                 f"{host.shape}, the layout says {dtype} {shape}")
+            self._file.seek(self._data_start + self._offsets[tensor_name][0])
+            self._file.write(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+            self._checksums[tensor_name] = _checksum(self.path, tensor_name, host)
+        self._added.add(name)
+
+    def _finish(self) -> None:
+        missing = [name for name in self._parts if name not in self._added]
+        if missing:
+            raise ValueError(f"{os.fspath(self.path)}: {len(missing)} layout entries were never "
+                             f"added ({', '.join(map(repr, missing[:3]))}...); nothing was written")
+        header = self._header()[1]
+        assert len(header) == self._data_start, "a checksum changed the header's length"
+        self._file.seek(0)
+        self._file.write(header)
+
+    def __exit__(self, *exc_info) -> bool:
+        # atomic_write (held open in the stack) renames on a clean exit and
+        # removes the temporary on an exception, ours from _finish included.
+        stack, self._stack = self._stack, None
+        try:
+            if exc_info[0] is None:
+                self._finish()
+        except BaseException:
+            self._file = None
+            if not stack.__exit__(*sys.exc_info()):
+                raise
+            return False
+        self._file = None
+        return stack.__exit__(*exc_info)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The files of a safetensors checkpoint: one file, or shards and their index.
+
+    ``shards``: the files, in the order the index first names them;
+    ``index``: the ``*.safetensors.index.json`` of a sharded checkpoint, else
+    None; ``weight_map``: the index's ``{tensor name: shard file name}``;
+    ``index_metadata``: the index's ``"metadata"`` object (``{}`` if none).
+    """
+
+    shards: tuple[Path, ...]
+    index: Path | None = None
+    weight_map: dict = field(default_factory=dict)
+    index_metadata: dict = field(default_factory=dict)
+
+
+def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Where the files of checkpoint ``path`` are, and (for shards) that they exist.
+
+    ``path``: a ``.safetensors`` file; an index (``*.safetensors.index.json``,
+    whose ``weight_map`` names shards beside it, as Hugging Face writes); or
+    a directory holding ``model.safetensors``, ``model.safetensors.index.json``
+    (``model.safetensors`` wins if both are there, as in ``transformers``) or
+    exactly one ``.safetensors`` file.
+
+    Raises FileNotFoundError naming the path, or the shard an index names
+    that does not exist (and the index); ValueError naming the file for an
+    index that is not JSON with a ``weight_map`` of ``{tensor: file name}``,
+    names a shard outside its directory, or a directory with several
+    ``.safetensors`` files and no index.
+    """
+    check_path(path)
+    path = Path(path)
+    if path.is_dir():
+        for name in (SINGLE_FILE, INDEX_FILE):
+            if (path / name).is_file():
+                return find_checkpoint(path / name)
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ValueError(
+                f"{path}: no {SINGLE_FILE} or {INDEX_FILE}, and "
+                + (f"{len(found)} .safetensors files ({', '.join(found[:4])})" if found else
+                   "no .safetensors file") + "; give the file or the index itself")
+        return Checkpoint((path / found[0],))
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+    if not path.name.endswith(".json"):
+        return Checkpoint((path,))
+    return _read_index(path)
+
+
+def _read_index(index: Path) -> Checkpoint:
+    with open_regular(index) as f:
+        try:
+            document = _loads(f.read(_MAX_HEADER_BYTES + 1))
+        except ValueError as exc:
+            raise _bad_file(index, f"the index is not valid UTF-8 JSON ({exc})",
+                            "download or write the index again") from exc
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise _bad_file(index, "the index has no \"weight_map\" of {tensor name: shard file}",
+                        "download or write the index again")
+    metadata = document.get("metadata") or {}
+    shards: dict[str, Path] = {}
+    for shard_name in weight_map.values():
+        if shard_name in shards:
+            continue
+        if Path(shard_name).name != shard_name or shard_name in ("", ".", ".."):
+            raise _bad_file(index, f"the index names the shard {shard_name!r}, which is not a "
+                                   "file name in the index's directory",
+                            "fix the index (shards sit next to it)")
+        shard = index.parent / shard_name
+        if not shard.is_file():
+            raise FileNotFoundError(errno.ENOENT, f"No such file, named by the index {index}; "
+                                    "the download is incomplete: fetch the missing shard",
+                                    str(shard))
+        shards[shard_name] = shard
+    return Checkpoint(tuple(shards.values()), index, dict(weight_map),
+                      metadata if isinstance(metadata, dict) else {})
+
+
+def write_safetensors_index(path: str | os.PathLike, weight_map: Mapping[str, str],
+                            metadata: Mapping | None = None) -> None:
+    """Write a Hugging Face style index: ``{"metadata": ..., "weight_map": ...}``, atomically."""
+    document = {"metadata": dict(metadata or {}), "weight_map": dict(weight_map)}
+    write_text(path, json.dumps(document, indent=2) + "\n")
+
+
+def load_quantized_model(path: str | os.PathLike, *, device: str = "cpu",
+                         verify: bool = True) -> dict:
+    """``load_quantized`` for one file or for shards with an index (what
+    ``python -m kbit_cupy quantize-model`` writes).
+
+    path : a file, an index, or a directory, as ``find_checkpoint`` takes.
+    Returns ``{name: KbitWeight | array}`` over all shards. Raises what
+    ``find_checkpoint`` and ``load_quantized`` raise, and ValueError (naming
+    the index) when a shard holds tensors the index does not map to it, or
+    the index maps tensors that no shard holds.
+    """
+    checkpoint = find_checkpoint(path)
+    model: dict = {}
+    seen: set[str] = set()
+    for shard in checkpoint.shards:
+        part = load_quantized(shard, device=device, verify=verify)
+        for name, value in part.items():
+            tensors = ([f"{name}.{p}" for p in WEIGHT_PARTS] if isinstance(value, KbitWeight)
+                       else [name])
+            for tensor in tensors:
+                if checkpoint.index is not None and checkpoint.weight_map.get(tensor) != shard.name:
+                    raise _bad_file(checkpoint.index, f"{shard.name} holds {tensor!r}, which the "
+                                                      "index does not map to it",
+                                    "write the index again")
+            seen.update(tensors)
+            if name in model:
+                raise _bad_file(shard, f"{name!r} is in more than one shard",
+                                "write the checkpoint again")
+            model[name] = value
+    missing = sorted(checkpoint.weight_map.keys() - seen)
+    if missing:
+        raise _bad_file(checkpoint.index, f"the index maps {len(missing)} tensors no shard holds "
+                                          f"({', '.join(map(repr, missing[:3]))})",
+                        "write the checkpoint again")
+    return model
