@@ -19,8 +19,21 @@ shares no sentence with the evaluation set. Rows, per k = 2..5:
   already-quantized layers before it.
 
 Then mixed widths (k = 2..5 per layer) at average budgets of bits per weight,
-from the "+ fitted codebook" weights of every k and their measured relative
-(and absolute) H-weighted errors (``kbit_cupy.calibrate.allocate_bits``).
+from the "+ fitted codebook" weights of every k, allocated three ways:
+
+- H-error: ``allocate_bits`` on each layer's relative H-weighted error (its
+  output noise-to-signal), the per-layer measure of ``quantize_mixed``;
+- embedding sensitivity: ``allocate_bits`` on each layer's own effect on the
+  final embeddings (1 - mean cosine to the float16 model's embeddings of
+  calibration sentences with only that layer quantized at k);
+- embedding search: ``search_allocation`` on the same sensitivities, the
+  allocations measured as a whole on the calibration sentences, starting from
+  the better of uniform k and the previous row, moving layers up and down while
+  the measured loss falls (so never worse there than uniform k).
+
+The sensitivities and the search use the first ``--search-sentences`` (96)
+calibration sentences, with dequantized float32 weights (``EmbeddingLoss``);
+evaluation sentences are never used to choose.
 Each row also gives the H-weighted error over all layers relative to RTN with
 the same starting codebook, and the quantization time on this CPU. Writes
 ``gptq_quality_minilm_<commit>.json`` and ``.md`` to ``--out``. NumPy path.
@@ -47,7 +60,7 @@ for _path in (REPO, REPO / "examples"):
 import minilm  # examples/minilm.py
 
 import kbit_cupy
-from kbit_cupy.calibrate import allocate_bits, bits_per_weight
+from kbit_cupy.calibrate import allocate_bits, bits_per_weight, search_allocation
 
 REFERENCE = REPO / "tests" / "data" / "minilm_reference_embeddings.npz"
 TARGETS = {"k=4": 0.982, "k=3": 0.915, "mixed 4.25": 0.985, "mixed 3.25": 0.93}
@@ -67,6 +80,8 @@ def main() -> None:
     ap.add_argument("--ks", default="2,3,4,5")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--commit")
+    ap.add_argument("--search-sentences", type=int, default=96,
+                    help="calibration sentences for the mixed-width sensitivities and search")
     args = ap.parse_args()
     commit = args.commit or _commit()
     ks = [int(k) for k in args.ks.split(",")]
@@ -128,24 +143,43 @@ def main() -> None:
         sizes = {n: int(w.size) for n, w in model.source_weights.items()}
         signal = {n: kbit_cupy.hessian_error(w.astype(np.float32), np.zeros(w.shape, np.float32),
                                              hessians[n]) for n, w in model.source_weights.items()}
-        for sensitivity in ("relative", "absolute"):
-            errors = {n: {k: best_reports[k][n].error / (signal[n] if sensitivity == "relative"
-                                                         else 1.0) for k in ks} for n in sizes}
-            for budget in BUDGETS:
-                if budget < bits_per_weight(min(ks)):
-                    continue
-                alloc = allocate_bits(errors, sizes, budget)
-                linears = {n: minilm.Linear(best_weights[alloc[n]][n], model.linears[n].bias)
-                           for n in sizes}
-                quantized = minilm.MiniLM(model.config, model.tokenizer, np, model.params,
-                                          linears, model.source_weights)
-                used = sum(sizes[n] * bits_per_weight(alloc[n]) for n in sizes) / sum(
-                    sizes.values())
-                counts = {k: sum(v == k for v in alloc.values()) for k in ks}
-                measure(f"mixed {budget} ({sensitivity})", None, quantized, 0.0,
-                        {n: best_reports[alloc[n]][n] for n in sizes}, budget=budget,
-                        bits_per_weight=used, allocation=alloc, layers_per_k=counts,
-                        sensitivity=sensitivity)
+        h_errors = {n: {k: best_reports[k][n].error / signal[n] for k in ks} for n in sizes}
+        begin = time.perf_counter()
+        loss = minilm.EmbeddingLoss(model, calibration[:args.search_sentences])
+        dequantized = {k: {n: w.dequantize(np.float32) for n, w in best_weights[k].items()}
+                       for k in ks}
+        sensitivity = {n: {k: loss({n: dequantized[k][n]}) for k in ks} for n in sizes}
+        sensitivity_seconds = time.perf_counter() - begin
+        print(f"embedding sensitivities: {loss.evaluations} evaluations, "
+              f"{sensitivity_seconds:.1f} s", flush=True)
+
+        def evaluate(alloc):
+            return loss({n: dequantized[alloc[n]][n] for n in alloc})
+
+        def mixed_row(label, alloc, seconds, budget, **extra):
+            linears = {n: minilm.Linear(best_weights[alloc[n]][n], model.linears[n].bias)
+                       for n in sizes}
+            quantized = minilm.MiniLM(model.config, model.tokenizer, np, model.params, linears,
+                                      model.source_weights)
+            used = sum(sizes[n] * bits_per_weight(alloc[n]) for n in sizes) / sum(sizes.values())
+            counts = {k: sum(v == k for v in alloc.values()) for k in ks}
+            measure(label, None, quantized, seconds,
+                    {n: best_reports[alloc[n]][n] for n in sizes}, budget=budget,
+                    bits_per_weight=used, allocation=alloc, layers_per_k=counts,
+                    calibration_loss=evaluate(alloc), **extra)
+
+        for budget in BUDGETS:
+            if budget < bits_per_weight(min(ks)):
+                continue
+            mixed_row(f"mixed {budget} (H-error)", allocate_bits(h_errors, sizes, budget), 0.0,
+                      budget)
+            mixed_row(f"mixed {budget} (embedding sensitivity)",
+                      allocate_bits(sensitivity, sizes, budget), sensitivity_seconds, budget)
+            begin, count = time.perf_counter(), loss.evaluations
+            alloc, search = search_allocation(sensitivity, sizes, budget, evaluate)
+            search = {**search, "evaluations": loss.evaluations - count}
+            mixed_row(f"mixed {budget} (embedding search)", alloc,
+                      sensitivity_seconds + time.perf_counter() - begin, budget, search=search)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,10 +220,17 @@ def _markdown(results: dict) -> str:
                      f"{h} | {kept} | {r['quantize_seconds']:.1f} |")
     mixed = [r for r in results["rows"] if "allocation" in r]
     if mixed:
-        lines += ["", "Mixed-width allocations (layers per k):", ""]
+        lines += ["", ("Mixed-width allocations (layers per k; calibration loss: 1 - mean cosine "
+                       "to the float16 model on the search sentences, what the search "
+                       "minimises):"), ""]
         for r in mixed:
-            lines.append(f"- {r['config']}: {r['layers_per_k']}, "
-                         f"{r['bits_per_weight']:.3f} bits/weight")
+            line = (f"- {r['config']}: {r['layers_per_k']}, {r['bits_per_weight']:.3f} "
+                    f"bits/weight, calibration loss {r['calibration_loss']:.5f}")
+            if "search" in r:
+                starts = ", ".join(f"{k} {v:.5f}" for k, v in r["search"]["starts"].items())
+                line += (f"; search: starts {starts}, {len(r['search']['moves'])} moves kept, "
+                         f"{r['search']['evaluations']} evaluations")
+            lines.append(line)
     lines += ["", "Targets (issue 19): " + ", ".join(f"{k} >= {v}"
                                                      for k, v in results["targets"].items())]
     return "\n".join(lines) + "\n"

@@ -513,6 +513,57 @@ def collect_hessians(model: MiniLM, sentences, batch_size: int = 32) -> dict:
     return accumulators
 
 
+class EmbeddingLoss:
+    """``loss(weights)``: 1 - mean cosine of the sentence embeddings of ``sentences`` to the
+    float16 model's, with some linear weights replaced.
+
+    ``weights``: ``{linear name: [N, K_dim] float array or KbitWeight}`` (the
+    others stay float16). The float16 model's states entering each encoder
+    layer are kept, so a replacement that starts at layer ``i`` runs only
+    layers ``i..5`` (the per-layer sensitivities of mixed widths cost half a
+    forward pass each). ``evaluations`` counts the calls.
+    """
+
+    def __init__(self, model: MiniLM, sentences, batch_size: int = 64):
+        self.model, self.evaluations = model, 0
+        tokens = model.tokenize(sentences)
+        order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i][0]))
+        self.batches = []  # (mask, key_bias, [h entering layer i for i = 0..L-1])
+        for start in range(0, len(order), batch_size):
+            ids, types, mask = model._pad([tokens[i] for i in order[start:start + batch_size]])
+            h, key_bias = model.embed(ids, types, mask)
+            inputs = []
+            for i in range(model.config.num_layers):
+                inputs.append(h)
+                h = model._encoder_layer(f"encoder.layer.{i}.", h, key_bias)
+            self.batches.append((mask, key_bias, inputs, self._pool(h, mask)))
+
+    def _pool(self, h, mask):
+        xp = self.model.xp
+        pooled = (h * mask[:, :, None]).sum(axis=1) / xp.maximum(mask.sum(axis=1, keepdims=True),
+                                                                 1e-9)
+        return pooled / xp.maximum(xp.sqrt((pooled * pooled).sum(axis=1, keepdims=True)), 1e-12)
+
+    def __call__(self, weights: dict) -> float:
+        self.evaluations += 1
+        model = self.model
+        if not weights:
+            return 0.0
+        first = min(int(name.split(".")[2]) for name in weights)
+        linears = dict(model.linears)
+        for name, weight in weights.items():
+            linears[name] = Linear(weight, model.linears[name].bias)
+        work = MiniLM(model.config, model.tokenizer, model.xp, model.params, linears,
+                      model.source_weights)
+        cosines = []
+        for mask, key_bias, inputs, reference in self.batches:
+            h = inputs[first]
+            for i in range(first, model.config.num_layers):
+                h = work._encoder_layer(f"encoder.layer.{i}.", h, key_bias)
+            cosines.append(to_host((self._pool(h, mask) * reference).sum(axis=1)))
+        return float(1.0 - np.concatenate(cosines).mean())
+
+
 def calibrated(model: MiniLM, k, sentences, *, codebook=None, sequential: bool = False,
                absmax_format: str = "e4m4", batch_size: int = 32, hessians: dict | None = None,
                **gptq_options) -> tuple[MiniLM, dict]:

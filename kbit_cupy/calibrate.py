@@ -827,6 +827,120 @@ def allocate_bits(
         alloc[best[1]] = best[2]
 
 
+def search_allocation(
+    errors: Mapping[str, Mapping[int, float]],
+    sizes: Mapping[str, int],
+    budget: float,
+    evaluate,
+    *,
+    tries: int = 6,
+    max_rounds: int = 12,
+    absmax_format: str = "e4m4",
+) -> tuple[dict[str, int], dict]:
+    """Mixed widths chosen on a measured loss, never worse on it than one width for all.
+
+    ``errors[name][k]``: each layer's own cost at ``k`` (for instance the
+    model's output loss with only that layer quantized), used to propose
+    moves; ``evaluate({name: k})``: the measured loss of a whole allocation
+    (lower is better; for instance 1 - mean cosine of a model's embeddings on
+    calibration data). Starts from the better of the widest uniform ``k``
+    within ``budget`` and ``allocate_bits(errors, ...)``, then moves greedily:
+    each round proposes, for every layer, one width up (paid for by lowering
+    other layers one width each, least predicted cost per freed bit first)
+    and one width down (the freed bits raising others, best predicted gain
+    per bit first), ranks the proposals by their predicted change, measures
+    the ``tries`` best, and keeps the best one if it lowers the loss. Stops
+    when none does, or after ``max_rounds``. Deterministic for a
+    deterministic ``evaluate``.
+
+    Returns ``(allocation, report)``; ``report``: ``loss``, ``start`` (which
+    start won), ``starts`` (their losses), ``moves`` (accepted, with the loss
+    after each) and ``evaluations``.
+    """
+    names = sorted(errors)
+    options = {n: sorted(int(k) for k in errors[n]) for n in names}
+    limit = float(budget) * float(sum(sizes[n] for n in names)) * (1 + 1e-12)
+
+    def bits(n, k):
+        return sizes[n] * bits_per_weight(k, absmax_format)
+
+    def cost(alloc):
+        return sum(bits(n, alloc[n]) for n in names)
+
+    def step(n, k, direction):
+        i = options[n].index(k) + direction
+        return options[n][i] if 0 <= i < len(options[n]) else None
+
+    cache: dict = {}
+
+    def measure(alloc):
+        key = tuple(alloc[n] for n in names)
+        if key not in cache:
+            cache[key] = float(evaluate(dict(alloc)))
+        return cache[key]
+
+    starts = {}
+    common = sorted(set.intersection(*(set(options[n]) for n in names)))
+    fitting = [k for k in common if cost(dict.fromkeys(names, k)) <= limit]
+    if fitting:
+        starts[f"uniform k={fitting[-1]}"] = dict.fromkeys(names, fitting[-1])
+    starts["predicted"] = allocate_bits(errors, sizes, budget, absmax_format)
+    losses = {label: measure(alloc) for label, alloc in starts.items()}
+    label = min(losses, key=lambda s: (losses[s], s))
+    alloc, loss = dict(starts[label]), losses[label]
+
+    def complete(trial, first, direction):
+        """Pay for (or spend) the bits of ``first``'s move with one-width moves of others."""
+        change = errors[first][trial[first]] - errors[first][alloc[first]]
+        others = []
+        for n in names:
+            k = step(n, alloc[n], -direction)
+            if n != first and k is not None:
+                delta = errors[n][k] - errors[n][alloc[n]]
+                others.append((delta / abs(bits(n, k) - bits(n, alloc[n])), n, k, delta))
+        others.sort()  # paying: least damage per freed bit; spending: most gain per bit
+        for _, n, k, delta in others:
+            if direction > 0 and cost(trial) <= limit:
+                break
+            if direction < 0 and (delta >= 0 or cost({**trial, n: k}) > limit):
+                continue
+            trial[n] = k
+            change += delta
+        return change if cost(trial) <= limit else None
+
+    moves = []
+    for _ in range(max_rounds):
+        proposals = []
+        for n in names:
+            for direction in (1, -1):
+                k = step(n, alloc[n], direction)
+                if k is None:
+                    continue
+                trial = {**alloc, n: k}
+                change = complete(trial, n, direction)
+                if change is not None and trial != alloc:
+                    proposals.append((change, n, direction, trial))
+        proposals.sort(key=lambda p: (p[0], p[1], p[2]))
+        seen, best = set(), None
+        for change, n, direction, trial in proposals:
+            key = tuple(trial[m] for m in names)
+            if key in seen:
+                continue
+            seen.add(key)
+            measured = measure(trial)
+            if best is None or measured < best[0]:
+                best = (measured, trial, n, direction)
+            if len(seen) >= tries:
+                break
+        if best is None or best[0] >= loss:
+            break
+        loss, alloc = best[0], best[1]
+        moves.append({"layer": best[2], "direction": best[3], "loss": loss})
+    report = {"loss": loss, "start": label, "starts": losses, "moves": moves,
+              "evaluations": len(cache)}
+    return alloc, report
+
+
 def quantize_mixed(
     weights: Mapping[str, object],
     hessians: Mapping[str, object],
@@ -887,5 +1001,6 @@ __all__ = [
     "gptq_quantize",
     "hessian_error",
     "quantize_mixed",
+    "search_allocation",
 ]
 

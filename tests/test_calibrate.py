@@ -10,6 +10,7 @@ path against itself, against RTN and against the NumPy path's quality.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import re
 import shutil
 import subprocess
@@ -22,7 +23,13 @@ from hypothesis import strategies as st
 import kbit_cupy as kc
 from kbit_cupy import calibrate
 from kbit_cupy._arrays import gpu_available
-from kbit_cupy.calibrate import HessianAccumulator, allocate_bits, bits_per_weight, gptq_quantize
+from kbit_cupy.calibrate import (
+    HessianAccumulator,
+    allocate_bits,
+    bits_per_weight,
+    gptq_quantize,
+    search_allocation,
+)
 from kbit_cupy.format import (
     BLOCK,
     decoded_scales,
@@ -359,3 +366,28 @@ def test_cuda_block_kernel_source_brute_force_codebook_and_overflow(host_kernel,
 def test_gpu_block_kernel_matches_the_numpy_block_step(options):
     for k in (2, 3, 4, 5):
         assert calibrate._compare_device_blocks(200, 160, k, seed=k, **options) == 0
+
+
+def test_search_allocation_never_loses_to_uniform_on_the_measured_loss():
+    rng = np.random.default_rng(12)
+    sizes = {f"layer{i}": int(s) for i, s in enumerate(rng.choice([1, 4], size=10) * 4096)}
+    own = {n: {k: float(rng.uniform(0.1, 10)) * 4.0 ** -k for k in (2, 3, 4, 5)} for n in sizes}
+    names = sorted(sizes)
+
+    def evaluate(alloc):  # additive, plus a penalty for neighbouring low widths
+        pairs = sum(alloc[a] + alloc[b] <= 6 for a, b in itertools.pairwise(names))
+        return sum(own[n][alloc[n]] for n in names) + 0.05 * pairs
+
+    total = sum(sizes.values())
+    for budget in (3.25, 3.6, 4.25):
+        alloc, report = search_allocation(own, sizes, budget, evaluate, tries=4)
+        used = sum(sizes[n] * bits_per_weight(alloc[n]) for n in sizes) / total
+        assert used <= budget + 1e-9
+        assert report["loss"] == evaluate(alloc)
+        uniform = max(k for k in (2, 3, 4, 5) if bits_per_weight(k) <= budget)
+        assert report["loss"] <= evaluate(dict.fromkeys(sizes, uniform))
+        assert report["loss"] <= evaluate(allocate_bits(own, sizes, budget))
+        assert [m["loss"] for m in report["moves"]] == sorted(
+            (m["loss"] for m in report["moves"]), reverse=True)
+    again = search_allocation(own, sizes, 3.6, evaluate, tries=4)
+    assert again[0] == search_allocation(own, sizes, 3.6, evaluate, tries=4)[0]
