@@ -661,7 +661,8 @@ def _main(argv: list[str] | None = None) -> int:
                         help="with --calibrate: refit the codebook jointly with GPTQ")
     parser.add_argument("--budget", type=float, default=None,
                         help="with --calibrate: mixed widths (k = 2..5 per layer) under this "
-                        "average bits per weight (4.25 = k=4 with E4M4 scales)")
+                        "average bits per weight (4.25 = k=4 with E4M4 scales), chosen on the "
+                        "calibration sentences' embeddings (mixed_widths)")
     args = parser.parse_args(argv)
     sentences = args.sentences or [
         "A man is playing a guitar on the street corner.",
@@ -689,9 +690,40 @@ def _main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def mixed_widths(model: MiniLM, sentences, budget: float, ks=(2, 3, 4, 5), *,
+                 hessians: dict | None = None, search_sentences: int = 96,
+                 **calibrate_options) -> tuple[dict, dict]:
+    """Per-layer widths under an average ``budget`` of bits per weight, chosen on the
+    embeddings of calibration ``sentences``.
+
+    Every linear weight is quantized at every ``k`` (``calibrated``, with
+    ``calibrate_options``); each layer's sensitivity at each ``k`` is the
+    ``EmbeddingLoss`` of the first ``search_sentences`` sentences with only that
+    layer quantized; ``kbit_cupy.calibrate.search_allocation`` then picks the
+    widths, measuring whole allocations on those sentences (never worse there
+    than one width for all). Returns ``({name: k}, report)``; the report holds
+    the search's and ``sensitivity`` ``{name: {k: loss}}``.
+    """
+    from kbit_cupy.calibrate import search_allocation
+
+    hessians = hessians or collect_hessians(model, sentences)
+    weights = {}
+    for k in ks:
+        quantized, _ = calibrated(model, k, sentences, hessians=hessians, **calibrate_options)
+        weights[k] = {n: lin.weight.dequantize(model.xp.float32)
+                      for n, lin in quantized.linears.items()}
+    loss = EmbeddingLoss(model, list(sentences)[:search_sentences])
+    names = list(model.linears)
+    sensitivity = {n: {k: loss({n: weights[k][n]}) for k in ks} for n in names}
+    sizes = {n: int(model.source_weights[n].size) for n in names}
+    alloc, report = search_allocation(sensitivity, sizes, budget,
+                                      lambda a: loss({n: weights[a[n]][n] for n in a}))
+    return alloc, {**report, "sensitivity": sensitivity}
+
+
 def _calibrate_from_args(model: MiniLM, args) -> MiniLM:
     """The --calibrate path of the script: GPTQ (optionally mixed widths), with a summary."""
-    from kbit_cupy.calibrate import quantize_mixed
+    from kbit_cupy.calibrate import bits_per_weight
 
     sentences = calibration_sentences(args.calibration_file)
     options = {"scale_search": args.scale_search, "fit_codebook": args.fit_codebook}
@@ -699,11 +731,13 @@ def _calibrate_from_args(model: MiniLM, args) -> MiniLM:
     hessians = collect_hessians(model, sentences)
     widths = args.k
     if args.budget is not None:
-        _, mixed = quantize_mixed(model.source_weights, hessians, args.budget,
-                                  codebooks=dict.fromkeys((2, 3, 4, 5), codebook), **options)
-        widths = mixed["allocation"]
-        print(f"mixed widths at {mixed['bits_per_weight']:.3f} bits/weight (budget "
-              f"{args.budget}):")
+        widths, search = mixed_widths(model, sentences, args.budget, hessians=hessians,
+                                      codebook=codebook, **options)
+        sizes = {n: int(w.size) for n, w in model.source_weights.items()}
+        used = sum(sizes[n] * bits_per_weight(widths[n]) for n in sizes) / sum(sizes.values())
+        print(f"mixed widths at {used:.3f} bits/weight (budget {args.budget}; start "
+              f"{search['start']}, {len(search['moves'])} moves, calibration loss "
+              f"{search['loss']:.5f}):")
         for name, bits in widths.items():
             print(f"  k={bits}  {name}")
     model, reports = calibrated(model, widths, sentences, codebook=codebook,
