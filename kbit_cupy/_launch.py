@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -80,6 +81,84 @@ def device_pointer(x) -> int:
     if isinstance(x, (int, np.integer)):
         return int(x)
     return x.data.ptr
+
+
+# Programmatic dependent launch (sm_90): kernels whose source begins with
+# grid_dependency_sync() (gemm_mma.cu) may be launched with CUDA's
+# programmatic-stream-serialization attribute, which lets the launch start
+# while the previous kernel on the stream drains. KBIT_CUPY_PDL=0 turns it off.
+PDL = os.environ.get("KBIT_CUPY_PDL", "1") != "0"
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+_launch_ex = None
+
+
+def _launch_kernel_ex():
+    """``cuLaunchKernelEx`` (CUDA 12+; CuPy has no binding) or None."""
+    global _launch_ex
+    if _launch_ex is None:
+        lib = libcuda()
+        fn = getattr(lib, "cuLaunchKernelEx", None) if lib is not None else None
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _launch_ex = fn or False
+    return _launch_ex or None
+
+
+def pdl_supported() -> bool:
+    """Whether launches on the current device may use programmatic dependent
+    launch: compute capability 9.0 or newer, a driver with cuLaunchKernelEx,
+    and not turned off with KBIT_CUPY_PDL=0."""
+    if not PDL:
+        return False
+    dev = current_device()
+    found = _pdl_devices.get(dev)
+    if found is None:
+        major = _cupy().cuda.Device(dev).compute_capability[:-1]
+        found = _pdl_devices[dev] = int(major) >= 9 and _launch_kernel_ex() is not None
+    return found
+
+
+_pdl_devices: dict[int, bool] = {}
+
+
+class PdlLaunch:
+    """A ``Launch`` sent through ``cuLaunchKernelEx`` with programmatic stream
+    serialization allowed (the kernel must begin with grid_dependency_sync)."""
+
+    __slots__ = ("_attr", "_config", "_fn", "_launch", "argv", "config_ptr", "func")
+
+    def __init__(self, launch):
+        self._launch = launch
+        self._attr = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attr.value.value = 1
+        self._config = _Config((ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(*launch.block),
+                               launch.shared, None, ctypes.pointer(self._attr), 1)
+        self.config_ptr = ctypes.addressof(self._config)
+        self.func, self.argv = launch.func, launch.argv
+        self._fn = _launch_kernel_ex()
+
+    def __call__(self, stream_ptr: int) -> None:
+        self._config.stream = stream_ptr or None
+        rc = self._fn(self.config_ptr, self.func, self.argv, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {rc})")
 
 
 class Launch:

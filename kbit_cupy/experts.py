@@ -341,19 +341,24 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
 class _GroupedRun:
     """A planned grouped launch: the call sets its five pointers and launches."""
 
-    __slots__ = ("_launch", "argv", "prefix", "values")
+    __slots__ = ("_launch", "argv", "pdl", "prefix", "values")
 
     def __init__(self, launch):
         self.prefix, self.argv = launch.prefix, launch.argv
         self.values = [launch.value(i) for i in (3, 4, 15, 17, 19)]
         self._launch = launch  # keeps the argument block (and the arrays it names) alive
+        # gemm_mma.cu begins with grid_dependency_sync: programmatic launch on sm_90
+        self.pdl = _launch.PdlLaunch(launch) if _launch.pdl_supported() else None
 
     def __call__(self, a: int, c: int, offsets: int, row_ids: int, route_ids: int,
                  stream: int) -> None:
         v = self.values
         v[0].value, v[1].value, v[2].value, v[3].value, v[4].value = (a, c, offsets, row_ids,
                                                                       route_ids)
-        _launch_kernel(*self.prefix, stream, self.argv, 0)
+        if self.pdl is not None:
+            self.pdl(stream)
+        else:
+            _launch_kernel(*self.prefix, stream, self.argv, 0)
 
 
 _cupy_ndarray = None  # bound on the first GPU call: the fast paths' type test and entry points

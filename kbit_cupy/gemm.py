@@ -392,12 +392,12 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     with _launch.setup_scope():  # one-time work stays out of a graph being captured
         plan = _GemmPlan(weight, M, A.dtype, kernel, stream.ptr, out_shape)
     _remember_cupy(xp)
-    if A.flags.c_contiguous and A.data.ptr % 16 == 0:
-        weight._plans[(A.shape, A.dtype, kernel, stream.ptr)] = plan
-    else:  # copied, every call: the fast path takes contiguous, 16-byte aligned A only
-        A = xp.ascontiguousarray(A2).reshape(A.shape)
-        if A.data.ptr % 16:
-            A = A.copy()
+    weight._plans[(A.shape, A.dtype, kernel, stream.ptr)] = plan
+    if A.strides != plan.a_strides or A.data.ptr % 16:
+        # copied, every call: the plan takes A in the plain row-major layout,
+        # 16-byte aligned (a size-1 dimension may carry any stride and still
+        # count as contiguous: compare strides, not the flag)
+        A = A2.copy().reshape(A.shape)
     C = plan(A, out, stream)
     if C is None:
         raise TypeError(f"out must be a C-contiguous CuPy array, got {type(out).__name__}")
@@ -450,6 +450,7 @@ class _GemmPlan:
         self.launches = []  # (Launch, first row, rows, tensor-map n8 tiles or 0)
         self.scratch = None
         self.single = None
+        self.pdl = None  # the single launch through cuLaunchKernelEx (sm_90)
         self.spare = None  # the last C this plan allocated (see _output)
         if self.choice == "dequant":
             nbytes = N * K_dim * dtype.itemsize
@@ -469,16 +470,19 @@ class _GemmPlan:
                 step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
         else:
             step = _MMA_MAX_M
+        pdl = _launch.pdl_supported()  # gemm_mma.cu: grid_dependency_sync
         for m0 in range(0, M, step):
             rows = min(M, m0 + step) - m0
             launch, map_tiles = _plan_launch(rows, weight, dtype, wg, stream)
-            self.launches.append((launch, m0, rows, map_tiles))
+            run = _launch.PdlLaunch(launch) if pdl else launch
+            self.launches.append((launch, m0, rows, map_tiles, run))
         if len(self.launches) == 1 and not self.launches[0][3]:
             # one launch without a tensor map (M <= 64, and wgmma to 128): the
             # call sets two pointers and launches, nothing else
             launch = self.launches[0][0]
             self.single = (launch.prefix, launch.argv, launch.value(_ARG_A),
                            launch.value(_ARG_C))
+            self.pdl = self.launches[0][4] if pdl else None
 
     def _output(self, stream):
         """A new C, or the plan's previous C when nothing else refers to it any
@@ -522,7 +526,10 @@ class _GemmPlan:
         if single is not None:
             single[2].value = a
             single[3].value = c
-            _launch_kernel(*single[0], stream, single[1], 0)
+            if self.pdl is not None:
+                self.pdl(stream)
+            else:
+                _launch_kernel(*single[0], stream, single[1], 0)
             return C
         K_bytes, N_bytes = self.K_dim * self.dtype.itemsize, self.N * self.dtype.itemsize
         if self.scratch is not None:
@@ -530,12 +537,12 @@ class _GemmPlan:
             _launch.cublas_gemm(self.M, self.N, self.K_dim, self.dtype.name, a,
                                 self.scratch.data.ptr, c, stream)
             return C
-        for launch, m0, rows, map_tiles in self.launches:
+        for launch, m0, rows, map_tiles, run in self.launches:
             launch.set(_ARG_A, a + m0 * K_bytes)
             launch.set(_ARG_C, c + m0 * N_bytes)
             if map_tiles:
                 launch.set(_ARG_MAP, _activation_map(a + m0 * K_bytes, rows, self.K_dim, map_tiles))
-            launch(stream)
+            run(stream)
         return C
 
 

@@ -522,9 +522,10 @@ def _nccl():
     return nccl
 
 
-def new_unique_id() -> tuple:
-    """An NCCL unique id (a tuple of 128 ints; picklable): make it in one
-    process and give it to every rank's ``NcclGroup.create``."""
+def new_unique_id() -> bytes | tuple:
+    """An NCCL unique id (bytes in CuPy 14, a tuple of ints before; picklable
+    either way): make it in one process and give it to every rank's
+    ``NcclGroup.create``."""
     return _nccl().get_unique_id()
 
 
@@ -544,14 +545,17 @@ class NcclGroup:
         self.device = int(comm.device_id())
 
     @classmethod
-    def create(cls, unique_id: tuple, size: int, rank: int, device: int) -> NcclGroup:
+    def create(cls, unique_id: bytes | tuple, size: int, rank: int, device: int) -> NcclGroup:
         import cupy as cp
 
         nccl = _nccl()
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in 0..{size - 1}, got {rank}")
         with cp.cuda.Device(device):
-            return cls(nccl.NcclCommunicator(size, tuple(unique_id), rank))
+            # CuPy 14 takes the id as bytes (get_unique_id's own type); older
+            # releases gave and took a tuple of ints
+            uid = unique_id if isinstance(unique_id, (bytes, tuple)) else tuple(unique_id)
+            return cls(nccl.NcclCommunicator(size, uid, rank))
 
     @classmethod
     def create_all(cls, devices: Sequence[int]) -> list[NcclGroup]:

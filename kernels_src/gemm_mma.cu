@@ -77,6 +77,22 @@
 
 namespace kbit {
 
+// Programmatic dependent launch (sm_90). gemm.py may launch this kernel with
+// CUDA's programmatic-stream-serialization attribute, so that a launch queued
+// behind another kernel starts as that kernel's CTAs exit (the implicit
+// trigger: this kernel never calls launch_dependents, which measured slower
+// at M = 1 on the H100: the next grid's CTAs took SM slots early and unevenly)
+// instead of after its grid has completed. Every CTA first waits until the
+// kernels before it have completed and their writes are visible: nothing in
+// this kernel touches memory before that, so it reads A, the workspace and
+// the counters exactly as a serialized launch would. Without the attribute,
+// or before sm_90, the wait is a no-op.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
   __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -214,6 +230,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     int ids_per_row, const int* __restrict__ route_ids, const void* __restrict__ a_map) {
   static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
   static_assert(!GROUPED || (!WG && RPW == 1), "grouped: mma.sync, one row tile per warp");
+  grid_dependency_sync();
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;

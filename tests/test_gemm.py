@@ -270,7 +270,7 @@ def test_cached_calls_do_no_per_call_planning(monkeypatch):
     plan.device, plan.dtype, plan.out_shape = 0, np.dtype(np.float16), (3, 64)
     plan.out_strides, plan.out_nbytes, plan.a_strides = (128, 2), 384, (512, 2)
     plan.M, plan.N, plan.K_dim, plan.scratch, plan.launches = 3, 64, 256, None, []
-    plan.spare = None
+    plan.spare = plan.pdl = None
     plan.single = ((11, 1, 1, 1, 128, 1, 1, 0), 99, a_val, c_val)
     w._plans[((3, 256), np.dtype(np.float16), "auto", _FakeStream.ptr)] = plan
     launched = []

@@ -247,6 +247,10 @@ def test_fast_path_keeps_the_clear_errors():
     # a non-contiguous A is still accepted (copied), with the same result
     wide = cp.ones((3, 1024), cp.float16)[:, ::2]
     assert (kc.kbit_gemm(wide, w) == kc.kbit_gemm(A, w)).all()
+    # one row with a long row stride counts as contiguous; the plan still takes it
+    row = cp.ones((1, 1024), cp.float16)[:, :512]
+    assert (kc.kbit_gemm(row, w) == kc.kbit_gemm(A[:1], w)).all()
+    assert (kc.kbit_gemm(row, w) == kc.kbit_gemm(A[:1], w)).all()  # the cached plan
     # changing the weight's arrays drops its plans: the new values are used
     w2 = _fresh_weight(256, 512, seed=5)
     before = kc.kbit_gemm(A, w)
