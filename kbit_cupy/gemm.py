@@ -579,78 +579,101 @@ def has_wgmma() -> bool:
     return found
 
 
-# kernel="auto": the mma kernel up to this many rows of A, dequantize + cuBLAS
-# beyond (GPUs without wgmma). From the H100 sweep
-# benchmarks/results/gemm_sweep_h100_09ff1ea_*.json (7 layers, M 1..1024,
-# k 2..5, fp16 and bf16; benchmarks/derive_dispatch.py): mma won up to
-# M = 192 on the layers with N >= 16384 (4096x28672, 8192x57344) and on
-# 28672x8192 at k <= 4, up to 128 on the other layers with >= 2^24 weights
-# and up to 64 on 2048x768 and 768x2048. (Since 4b35815's activation staging;
-# until then 96 on 4096x6144 and 192 only from N >= 32768.) Worst pick: 1.01x
-# the best measured kernel.
-_AUTO_MMA_MAX_M = 64
-_AUTO_MMA_MAX_M_MID = 128  # N * K_dim >= _MID_WEIGHTS
-_AUTO_MMA_MAX_M_LARGE = 128  # N >= _WIDE_N or K_dim >= _LONG_K
-_AUTO_MMA_MAX_M_WIDEST = 192  # N >= _WIDEST_N, or K_dim >= _LONGEST_K at k <= 4
-_MID_WEIGHTS = 1 << 24
-_LONG_K = 8192
-_WIDE_N = 16384
-_WIDEST_N = 16384
-_LONGEST_K = 16384
-# sm_90 (wgmma): mma, then wgmma, then dequantize + cuBLAS. From the
-# e2b299f sweep (benchmarks/results/gemm_sweep_h100_e2b299f_*.json: 7 layers,
-# M 1..4096, k 2..5, fp16 and bf16; mma and the wgmma path up to 128 rows are
-# the kernels of 09ff1ea, whose sweep the small-M bounds come from): on the
-# large layers mma up to M = 16 (fp16: the ALU scale decode made mma 5-8%
-# faster than wgmma at M = 16, k = 4; bf16 up to 8 at k = 2 and 4), wgmma to
-# 512 (the warp-specialised 192- and 256-row launches), at k = 2..4 to 1024
-# on layers of >= 2^27 weights (8192x57344, 28672x8192), at k = 5 only to
-# 256 below 2^27 weights (its shuffle decode); dequantize + cuBLAS beyond
-# (0.92x cuBLAS at M = 4096). On 4096x6144 mma to 64 (k = 5: 32), wgmma to
-# 256; on 2048x768 and 768x2048 wgmma never wins.
-_AUTO_MMA_MAX_M_SM90_LARGE = 16  # fp16, and bf16 at k = 3, 5
-_AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K = 8  # bf16 at k = 2, 4
-_AUTO_MMA_MAX_M_SM90_MID = 64
-_AUTO_MMA_MAX_M_SM90_MID_K5 = 32
-_AUTO_WG_MAX_M_LARGE = 512
-_AUTO_WG_MAX_M_LARGE_K5 = 256  # k = 5 below _HUGE_WEIGHTS
-_AUTO_WG_MAX_M_HUGE = 1024  # k = 2..4 from _HUGE_WEIGHTS
-_HUGE_WEIGHTS = 1 << 27
-_AUTO_WG_MAX_M_MID = 256
+# --------------------------------------------------------------------------
+# kernel="auto": the dispatch table
+#
+# One row per (GPU kind, layer class, k, activation dtype, weight count): up
+# to ``mma_max`` rows of A run the mma kernel, up to ``wg_max`` the wgmma
+# kernel (sm_90 only), beyond that dequantize + cuBLAS. The first row that
+# matches decides. Layer classes (``_layer_class``): "widest" N >= 16384, or
+# K_dim >= 16384 at k <= 4; "large" N >= 16384 or K_dim >= 8192; "mid" at
+# least 2^24 weights; "small" the rest.
+#
+# Where the bounds come from (benchmarks/derive_dispatch.py over the
+# committed sweeps; worst pick 1.01-1.03x the best measured kernel):
+# - sm_90 rows: benchmarks/results/gemm_sweep_h100_e2b299f_*.json (7 layers,
+#   M 1..4096, k 2..5, fp16 and bf16; mma and the wgmma path up to 128 rows
+#   are the kernels of 09ff1ea, whose sweep the small-M bounds come from). On
+#   the large layers mma to M = 16 (fp16: the ALU scale decode made mma 5-8%
+#   faster than wgmma at M = 16, k = 4; bf16 to 8 at k = 2 and 4), wgmma to
+#   512 (the warp-specialised 192- and 256-row launches), at k = 2..4 to 1024
+#   from 2^27 weights (8192x57344, 28672x8192), at k = 5 only to 256 below
+#   2^27 weights (its shuffle decode); dequantize + cuBLAS beyond (0.92x
+#   cuBLAS at M = 4096). On 4096x6144 mma to 64 (k = 5: 32), wgmma to 256; on
+#   2048x768 and 768x2048 wgmma never wins.
+# - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
+#   run with the mma kernel only: mma won to M = 192 on the layers with N >=
+#   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
+#   other layers with >= 2^24 weights and to 64 on 2048x768 and 768x2048.
+
+
+@dataclass(frozen=True)
+class DispatchRule:
+    """One row of the dispatch table (None: any)."""
+
+    wgmma: bool  # the GPU runs the wgmma kernel (sm_90)
+    layer: str  # "widest", "large", "mid", "small" (see _layer_class)
+    mma_max: int
+    wg_max: int
+    ks: tuple | None = None
+    fp16: bool | None = None  # activations fp16 (True) or bf16 (False)
+    min_weights: int = 0
+    max_weights: int | None = None  # exclusive
+
+
+_HUGE = 1 << 27  # weights
+DISPATCH_TABLE: tuple[DispatchRule, ...] = (
+    # sm_90: mma, then wgmma, then dequantize + cuBLAS
+    DispatchRule(True, "large", 8, 1024, ks=(2, 4), fp16=False, min_weights=_HUGE),
+    DispatchRule(True, "large", 8, 512, ks=(2, 4), fp16=False),
+    DispatchRule(True, "large", 16, 1024, ks=(2, 3, 4), min_weights=_HUGE),
+    DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
+    DispatchRule(True, "large", 16, 512),
+    DispatchRule(True, "mid", 32, 256, ks=(5,)),
+    DispatchRule(True, "mid", 64, 256),
+    DispatchRule(True, "small", 64, 64),  # wgmma never wins
+    # other GPUs: mma, then dequantize + cuBLAS
+    DispatchRule(False, "widest", 192, 0),
+    DispatchRule(False, "large", 128, 0),
+    DispatchRule(False, "mid", 128, 0),
+    DispatchRule(False, "small", 64, 0),
+)
+
+
+def _layer_class(N: int, K_dim: int, k: int, wgmma: bool) -> str:
+    """The dispatch table's layer class (sm_90 has no "widest": it is "large")."""
+    if not wgmma and (N >= 16384 or (K_dim >= 16384 and k <= 4)):
+        return "widest"
+    if N >= 16384 or K_dim >= 8192:
+        return "large"
+    return "mid" if N * K_dim >= 1 << 24 else "small"
+
+
+@functools.cache
+def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int]:
+    """(mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
+    layer, weights = _layer_class(N, K_dim, k, wgmma), N * K_dim
+    for rule in DISPATCH_TABLE:
+        if (rule.wgmma == wgmma and rule.layer == layer
+                and (rule.ks is None or k in rule.ks)
+                and (rule.fp16 is None or rule.fp16 == fp16)
+                and weights >= rule.min_weights
+                and (rule.max_weights is None or weights < rule.max_weights)):
+            return rule.mma_max, rule.wg_max
+    raise AssertionError(f"no dispatch rule for {N}x{K_dim} k={k}")  # the table covers all
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None) -> str:
-    """The kernel ``kernel="auto"`` runs for these sizes ("mma", "wgmma" or "dequant").
+    """The kernel ``kernel="auto"`` runs for these sizes ("mma", "wgmma" or "dequant"),
+    from ``DISPATCH_TABLE``.
 
     ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
     current device (False without a GPU).
     """
     if wgmma is None:
         wgmma = _device_has_wgmma()
-    if wgmma:
-        if N >= _WIDE_N or K_dim >= _LONG_K:
-            even = k in (2, 4) and not _is_fp16(dtype)
-            mma_max = _AUTO_MMA_MAX_M_SM90_LARGE_EVEN_K if even else _AUTO_MMA_MAX_M_SM90_LARGE
-            wg_max = _AUTO_WG_MAX_M_LARGE
-            if N * K_dim >= _HUGE_WEIGHTS and k != 5:
-                wg_max = _AUTO_WG_MAX_M_HUGE
-            elif N * K_dim < _HUGE_WEIGHTS and k == 5:
-                wg_max = _AUTO_WG_MAX_M_LARGE_K5
-        elif N * K_dim >= _MID_WEIGHTS:
-            mma_max = _AUTO_MMA_MAX_M_SM90_MID_K5 if k == 5 else _AUTO_MMA_MAX_M_SM90_MID
-            wg_max = _AUTO_WG_MAX_M_MID
-        else:
-            mma_max, wg_max = _AUTO_MMA_MAX_M, _AUTO_MMA_MAX_M  # wgmma never wins
-        return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
-    if N >= _WIDEST_N or (K_dim >= _LONGEST_K and k <= 4):
-        limit = _AUTO_MMA_MAX_M_WIDEST
-    elif N >= _WIDE_N or K_dim >= _LONG_K:
-        limit = _AUTO_MMA_MAX_M_LARGE
-    elif N * K_dim >= _MID_WEIGHTS:
-        limit = _AUTO_MMA_MAX_M_MID
-    else:
-        limit = _AUTO_MMA_MAX_M
-    return "mma" if M <= limit else "dequant"
+    mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
+    return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 
 
 def _is_fp16(dtype) -> bool:

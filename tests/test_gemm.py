@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -309,3 +311,42 @@ def test_cached_calls_do_no_per_call_planning(monkeypatch):
     # an A the plan does not take (misaligned) goes to the checked path
     with pytest.raises(AssertionError, match="_check_activations"):
         kbit_gemm(_FakeDeviceArray((3, 256), np.float16, 4098), w)
+
+
+def _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma):
+    """choose_kernel as the module constants of 6bdcb31 wrote it, frozen: the
+    table must choose the same kernel everywhere (no behaviour change)."""
+    if wgmma:
+        if N >= 16384 or K_dim >= 8192:
+            mma_max = 8 if (k in (2, 4) and not fp16) else 16
+            wg_max = 512
+            if N * K_dim >= 1 << 27 and k != 5:
+                wg_max = 1024
+            elif N * K_dim < 1 << 27 and k == 5:
+                wg_max = 256
+        elif N * K_dim >= 1 << 24:
+            mma_max, wg_max = (32 if k == 5 else 64), 256
+        else:
+            mma_max, wg_max = 64, 64
+        return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
+    if N >= 16384 or (K_dim >= 16384 and k <= 4):
+        limit = 192
+    elif N >= 16384 or K_dim >= 8192 or N * K_dim >= 1 << 24:
+        limit = 128
+    else:
+        limit = 64
+    return "mma" if M <= limit else "dequant"
+
+
+def test_dispatch_table_chooses_what_the_constants_chose():
+    from kbit_cupy.gemm import choose_kernel
+
+    Ms = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 192, 193, 256, 257, 512, 513, 1024, 1025)
+    Ns = (512, 768, 2048, 4096, 6144, 8192, 16383, 16384, 28672, 57344)
+    Ks = (256, 768, 2048, 4096, 8191, 8192, 14336, 16383, 16384, 28672)
+    for N, K_dim, k, fp16, wgmma in itertools.product(Ns, Ks, (2, 3, 4, 5), (True, False),
+                                                      (True, False)):
+        dtype = np.float16 if fp16 else BFLOAT16
+        for M in Ms:
+            assert choose_kernel(M, N, K_dim, k, dtype, wgmma=wgmma) == \
+                _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma), (M, N, K_dim, k, fp16, wgmma)
