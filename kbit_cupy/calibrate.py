@@ -49,6 +49,10 @@ On top of plain GPTQ, each measured in ``benchmarks/gptq_quality.py``:
 - Mixed bit widths: ``allocate_bits`` picks ``k`` per layer under an average
   bits-per-weight budget from measured errors; ``quantize_mixed`` measures
   them (GPTQ at every ``k``) and returns the weights with the allocation.
+  Per-layer errors add up only roughly to the model's loss, so
+  ``search_allocation`` measures whole allocations with a caller's loss (the
+  MiniLM example: its embeddings on calibration sentences) and moves layers
+  up and down from the better of uniform ``k`` and the predicted allocation.
 
 Sequential calibration (each layer's ``H`` from inputs produced by the
 already-quantized layers before it) belongs to the model's forward pass;
