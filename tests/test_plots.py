@@ -57,3 +57,52 @@ def test_plot_results_writes_two_per_file(tmp_path):
     f = tmp_path / "r.json"
     f.write_text(json.dumps({"records": synthetic_records(), "meta": {"gpu": "g"}}))
     assert len(plot_results([f], tmp_path / "figs")) == 2
+
+
+def _drawn_figures(monkeypatch):
+    """Figures the plot functions would save, drawn but left open for inspection."""
+    from kbit_cupy.bench import plots
+
+    figures = []
+
+    def keep(plt, fig, path):
+        fig.draw_without_rendering()
+        figures.append(fig)
+        return Path(path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def test_titles_fit_inside_a_one_panel_figure(monkeypatch, tmp_path):
+    import matplotlib.pyplot as plt
+
+    figures = _drawn_figures(monkeypatch)
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "e2b299f", "copy_bandwidth_TB_s": 3.0}
+    plot_speedup(synthetic_records(), meta, tmp_path / "s.png")  # one layer: one 4.2-inch panel
+    plot_roofline(synthetic_records(), meta, tmp_path / "r.png")
+    try:
+        for fig in figures:
+            renderer = fig.canvas.get_renderer()
+            titles = [t for t in [fig._suptitle, *(ax.title for ax in fig.axes)] if t and t.get_text()]
+            for title in titles:
+                box = title.get_window_extent(renderer)
+                assert box.x0 >= 0 and box.x1 <= fig.bbox.width, title.get_text()
+                assert box.y1 <= fig.bbox.height, title.get_text()
+    finally:
+        for fig in figures:
+            plt.close(fig)
+
+
+def test_roofline_labels_the_cublas_line_as_this_runs_best(monkeypatch, tmp_path):
+    import matplotlib.pyplot as plt
+
+    figures = _drawn_figures(monkeypatch)
+    plot_roofline(synthetic_records(), {"gpu": "g"}, tmp_path / "r.png")
+    labels = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+    plt.close(figures[0])
+    ceiling = next(label for label in labels if "TB/s" in label)
+    best = max(r["TFLOP_s"] for r in synthetic_records() if r["k"] == 16)
+    assert "best cuBLAS rate in this run" in ceiling and f"{best:.0f} TFLOP/s" in ceiling
+    assert "peak" not in ceiling.replace("not the GPU's peak", "")
+    assert "assumed" in ceiling  # no copy_bandwidth_TB_s in meta

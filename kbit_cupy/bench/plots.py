@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from .._files import atomic_write
@@ -35,11 +36,24 @@ def _where(meta: dict) -> str:
     return f"{meta.get('gpu', '?')}, commit {meta.get('commit', '?')}"
 
 
+def _wrapped_title(lines: list[str], fig) -> str:
+    """``lines`` joined by newlines, each wrapped to the figure's width.
+
+    Matplotlib's layout engines make room above the axes for a long title but
+    never narrow it, so a one-panel figure cut the title at both edges; about
+    ten characters of the default 12 pt title font fit per inch.
+    """
+    chars = max(24, int(fig.get_figwidth() * 10))
+    return "\n".join(textwrap.fill(line, chars) for line in lines)
+
+
 def _save(plt, fig, path) -> Path:
-    """Write ``fig`` to ``path`` atomically (format from the suffix, PNG if none)."""
+    """Write ``fig`` (made with ``layout="constrained"``) to ``path`` atomically.
+
+    The format comes from the suffix, PNG if none.
+    """
     out = Path(path)
     try:
-        fig.tight_layout()
         with atomic_write(out) as f:
             fig.savefig(f, dpi=120, format=out.suffix.lstrip(".") or "png")
     finally:
@@ -111,7 +125,8 @@ def plot_speedup(records: list[dict], meta: dict, path) -> Path:
     layers = sorted({(k[0], k[1], k[2]) for k in best})
     cols = min(4, len(layers))
     rows = -(-len(layers) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False,
+                             layout="constrained")
     for ax in axes.flat[len(layers):]:
         ax.set_visible(False)
     for ax, (K_dim, N, dtype) in zip(axes.flat, layers):
@@ -128,20 +143,26 @@ def plot_speedup(records: list[dict], meta: dict, path) -> Path:
         row[0].set_ylabel("speedup vs cuBLAS fp16")
     if axes.flat[len(layers) - 1].get_legend_handles_labels()[0]:  # cuBLAS-only: no lines
         axes.flat[len(layers) - 1].legend()
-    fig.suptitle(f"kbit_gemm, best kernel per point - {_where(meta)}")
+    fig.suptitle(_wrapped_title(["kbit_gemm speedup over cuBLAS fp16, best kernel per point",
+                                 _where(meta)], fig))
     return _save(plt, fig, path)
 
 
 def plot_roofline(records: list[dict], meta: dict, path) -> Path:
-    """Achieved TFLOP/s against arithmetic intensity on our bytes, with the measured ceilings.
+    """Achieved TFLOP/s against arithmetic intensity on our bytes, with two ceilings.
 
-    Ceilings: the copy bandwidth measured in the same run (a line of slope
-    1) and the best cuBLAS fp16 rate in the results (a flat line).
+    Ceilings: the copy bandwidth measured in the same run (a line of slope 1;
+    3 TB/s, marked "assumed", when the results lack it) and the best cuBLAS
+    fp16 rate among the run's own records (a flat line). The latter is not the
+    GPU's peak: a sweep that stops at M = 256 stays well below it, so the
+    legend says which point it came from.
     """
     plt = _pyplot()
-    bw = float(meta.get("copy_bandwidth_TB_s") or 3.0) * 1e12
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    peak = max((r["TFLOP_s"] for r in records if r["k"] == 16), default=0.0)
+    measured_bw = _is_number(meta.get("copy_bandwidth_TB_s")) and meta["copy_bandwidth_TB_s"] > 0
+    bw = (float(meta["copy_bandwidth_TB_s"]) if measured_bw else 3.0) * 1e12
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
+    cublas = [r for r in records if r["k"] == 16]
+    best_cublas = max(cublas, key=lambda r: r["TFLOP_s"], default=None)
     best = list(_best_by_point(records).values())  # the fastest kernel at each point
     for k in sorted({r["k"] for r in best}):
         pts = [r for r in best if r["k"] == k]
@@ -149,15 +170,22 @@ def plot_roofline(records: list[dict], meta: dict, path) -> Path:
         y = [r["TFLOP_s"] for r in pts]
         ax.scatter(x, y, s=12, label="cuBLAS fp16" if k == 16 else f"k={k}")
     xs = [2.0**e for e in range(-2, 12)]
-    ax.plot(xs, [min(bw * x / 1e12, peak or 1e9) for x in xs], color="black", lw=1,
-            label=f"copy {bw / 1e12:.2f} TB/s / cuBLAS peak {peak:.0f} TFLOP/s")
+    copy_label = f"copy {bw / 1e12:.2f} TB/s" + ("" if measured_bw else " (assumed, not in results)")
+    if best_cublas is None:
+        ax.plot(xs, [bw * x / 1e12 for x in xs], color="black", lw=1, label=copy_label)
+    else:
+        flat = best_cublas["TFLOP_s"]
+        where = f"M={best_cublas['M']}, {best_cublas['K_dim']}x{best_cublas['N']}"
+        ax.plot(xs, [min(bw * x / 1e12, flat) for x in xs], color="black", lw=1,
+                label=f"{copy_label} / best cuBLAS rate in this run\n"
+                      f"{flat:.0f} TFLOP/s ({where}), not the GPU's peak")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("FLOP per byte moved (weights + scales + A + C)")
     ax.set_ylabel("TFLOP/s")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    ax.set_title(f"roofline - {_where(meta)}")
+    ax.set_title(_wrapped_title([f"roofline - {_where(meta)}"], fig))
     return _save(plt, fig, path)
 
 
