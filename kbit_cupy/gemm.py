@@ -808,6 +808,15 @@ _MAP_CACHE_SIZE = 64
 _libcuda = None
 
 
+# Why ctypes and not NVIDIA's cuda-bindings (cuda.bindings.driver has a
+# cuTensorMapEncodeTiled wrapper), checked for issue 22: CuPy 14.2.0
+# (cupy-cuda12x) requires only numpy and cuda-pathfinder (its "ctk" extra adds
+# cuda-toolkit 12.*, not cuda-bindings), so the bindings are not installed
+# with CuPy; using them would make them a new dependency, and one whose
+# version shares the CUDA Toolkit's major.minor (their support policy; pip
+# here offers 13.5.0, the cuda12 extra would need the 12.x line). For one
+# driver function with a fixed C signature that is more than the ctypes call
+# below costs.
 def _libcuda_encoder():
     """``cuTensorMapEncodeTiled`` from the CUDA driver library, or None where
     it cannot be loaded (no driver, or one older than CUDA 12)."""
