@@ -10,6 +10,7 @@ from .calibrate import (
     gptq_quantize,
     hessian_error,
     quantize_mixed,
+    search_allocation,
 )
 from .codebook import fit_codebook
 from .experts import KbitExperts, kbit_grouped_gemm, moe_linear, quantize_experts
@@ -36,6 +37,7 @@ from .parallel import (
 from .quantize import dequantize_kbit, quantize_kbit
 from .serialization import (
     load_quantized,
+    load_quantized_model,
     read_safetensors,
     read_safetensors_metadata,
     save_quantized,
@@ -65,6 +67,7 @@ __all__ = [
     "kbit_gemm",
     "kbit_grouped_gemm",
     "load_quantized",
+    "load_quantized_model",
     "load_shard",
     "load_sharded",
     "moe_linear",
@@ -80,6 +83,7 @@ __all__ = [
     "save_quantized",
     "save_shard",
     "save_sharded",
+    "search_allocation",
     "shard_mlp",
     "shard_model",
     "shard_weight",
