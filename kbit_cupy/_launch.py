@@ -60,6 +60,18 @@ def current_device() -> int:
     return _cupy().cuda.runtime.getDevice()
 
 
+def ensure_context() -> None:
+    """Make the current device's primary context current in this thread.
+
+    The runtime API binds it lazily; a thread whose CuPy work so far needed no
+    runtime call that binds it (its arrays came from the pool, its kernels
+    were compiled by another thread) has none, and the driver launches this
+    module makes (cuLaunchKernel, cuLaunchKernelEx) then fail with
+    CUDA_ERROR_INVALID_CONTEXT. cudaFree(NULL) binds it and does nothing else.
+    Called where a thread builds its launch plans (outside any capture)."""
+    _cupy().cuda.runtime.free(0)
+
+
 def current_stream_ptr() -> int:
     """The current CuPy stream's handle (0: the legacy default stream)."""
     return _cupy().cuda.get_current_stream().ptr
@@ -445,16 +457,18 @@ def _libcublas():
     return ctypes.CDLL(paths[0])
 
 
-_blas: dict[int, _Blas] = {}
+_blas: dict[tuple, _Blas] = {}
 
 
 def blas() -> _Blas:
-    """This device's handle (created on first use, outside any capture)."""
-    dev = current_device()
-    found = _blas.get(dev)
+    """This device's and thread's handle (created on first use, outside any
+    capture): a handle's stream and workspace are set per call, which two
+    threads sharing one handle would race on."""
+    key = (current_device(), threading.get_ident())
+    found = _blas.get(key)
     if found is None:
         with setup_scope():
-            found = _blas[dev] = _Blas()
+            found = _blas[key] = _Blas()
     return found
 
 

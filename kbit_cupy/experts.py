@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -326,10 +327,11 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     (rows, dtype, routing form, device, stream); a call sets its pointers."""
     stream = _launch.current_stream_ptr()
     key = (C.shape[0], A.dtype, route_ids is not None, ids_per_row, _launch.current_device(),
-           stream)
+           stream, threading.get_ident())  # per thread: the argument block is shared state
     found = experts._plans.get(key)
     if found is None:
         with _launch.setup_scope():  # one-time work stays out of a graph being captured
+            _launch.ensure_context()  # plans are per thread: bind this thread's context
             launch = _grouped_launch(experts, A.dtype, C.shape[0], route_ids is not None,
                                      ids_per_row, stream)
         found = experts._plans[key] = _GroupedRun(launch)
@@ -393,7 +395,8 @@ def _fast_launch(experts: KbitExperts, A, rows: int, routed: bool, ids_per_row: 
             or not ids.flags.c_contiguous or ids.data.device_id != dev):
         return None
     stream = _get_current_stream()
-    run = experts._plans.get((rows, dtype, routed, ids_per_row, dev, stream.ptr))
+    run = experts._plans.get((rows, dtype, routed, ids_per_row, dev, stream.ptr,
+                              threading.get_ident()))
     if run is None:
         return None
     if out is None:

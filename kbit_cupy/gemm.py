@@ -17,6 +17,7 @@ import collections
 import functools
 import math
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -368,7 +369,7 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     plans = getattr(weight, "_plans", None)
     if plans and type(A) is _cupy_ndarray:  # the fast path: a plan resolved everything else
         stream = _get_current_stream()
-        plan = plans.get((A.shape, A.dtype, kernel, stream.ptr))
+        plan = plans.get((A.shape, A.dtype, kernel, stream.ptr, _thread()))
         if plan is not None and type(weight) is KbitWeight:
             C = plan(A, out, stream)
             if C is not None:
@@ -392,7 +393,7 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     with _launch.setup_scope():  # one-time work stays out of a graph being captured
         plan = _GemmPlan(weight, M, A.dtype, kernel, stream.ptr, out_shape)
     _remember_cupy(xp)
-    weight._plans[(A.shape, A.dtype, kernel, stream.ptr)] = plan
+    weight._plans[(A.shape, A.dtype, kernel, stream.ptr, _thread())] = plan
     if A.strides != plan.a_strides or A.data.ptr % 16:
         # copied, every call: the plan takes A in the plain row-major layout,
         # 16-byte aligned (a size-1 dimension may carry any stride and still
@@ -412,6 +413,26 @@ _get_device = None
 _launch_kernel = None
 _alloc = None
 _getrefcount = sys.getrefcount
+# A plan's argument block is set, then launched: calls from two threads on one
+# stream must not share it, so plans are also per thread (cheap: an int).
+_thread = threading.get_ident
+
+
+class _Holder:
+    __slots__ = ("spare",)
+
+
+def _sole_reference_count() -> int:
+    """What ``_GemmPlan._output``'s test reads for an object that only the
+    plan's attribute holds, measured with the same statements (interpreters
+    differ in how many references a local and a call argument add)."""
+    holder = _Holder()
+    holder.spare = object()
+    spare = holder.spare
+    return _getrefcount(spare)
+
+
+_SOLE_REFERENCE = _sole_reference_count()
 
 
 def _remember_cupy(cp) -> None:
@@ -439,6 +460,7 @@ class _GemmPlan:
 
     def __init__(self, weight: KbitWeight, M: int, dtype, kernel: str, stream: int, out_shape):
         N, K_dim = weight.shape
+        _launch.ensure_context()  # plans are per thread: bind this thread's context
         self.device = _launch.current_device()
         self.dtype = dtype
         self.out_shape = out_shape
@@ -495,8 +517,7 @@ class _GemmPlan:
         if stream.ptr and stream.is_capturing():
             return _launch.empty(self.out_shape, self.dtype, self.out_nbytes, stream)
         spare = self.spare
-        # references: self.spare, ``spare`` and getrefcount's argument
-        if spare is not None and _getrefcount(spare) <= 3:
+        if spare is not None and _getrefcount(spare) <= _SOLE_REFERENCE:
             return spare
         spare = self.spare = _cupy_ndarray(self.out_shape, self.dtype,
                                            _alloc(self.out_nbytes))

@@ -8,6 +8,7 @@ CuPy stream. Both give the same bits (FORMAT.md).
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -447,10 +448,11 @@ def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out,
         stream = _launch.current_stream_ptr()
     if dev is None:
         dev = _launch.current_device()
-    key = (k, flat_out.dtype, absmax.dtype, n, dev, stream)
+    key = (k, flat_out.dtype, absmax.dtype, n, dev, stream, threading.get_ident())
     found = _dequantize_launches.get(key)
     if found is None:
         with _launch.setup_scope():
+            _launch.ensure_context()  # per thread: bind this thread's context
             kernel = _jit.get_kernel("dequantize", k, _DTYPE_NAMES[flat_out.dtype],
                                      _DTYPE_NAMES[absmax.dtype])
             grid, block = _dequantize_geometry(n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -274,7 +275,8 @@ def test_cached_calls_do_no_per_call_planning(monkeypatch):
     plan.M, plan.N, plan.K_dim, plan.scratch, plan.launches = 3, 64, 256, None, []
     plan.spare = plan.pdl = None
     plan.single = ((11, 1, 1, 1, 128, 1, 1, 0), 99, a_val, c_val)
-    w._plans[((3, 256), np.dtype(np.float16), "auto", _FakeStream.ptr)] = plan
+    w._plans[((3, 256), np.dtype(np.float16), "auto", _FakeStream.ptr,
+              threading.get_ident())] = plan
     launched = []
     monkeypatch.setattr(gemm, "_cupy_ndarray", _FakeDeviceArray)
     monkeypatch.setattr(gemm, "_get_current_stream", _FakeStream)

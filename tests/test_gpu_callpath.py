@@ -271,3 +271,55 @@ def test_weight_on_another_gpu_raises_on_the_fast_path():
         A1 = cp.ones((3, 512), cp.float16)
         with pytest.raises(ValueError, match="GPU"):
             kc.kbit_gemm(A1, w)
+
+
+def test_threads_sharing_a_stream_and_a_weight_get_their_own_results():
+    """Plans are per thread: two threads calling kbit_gemm on one weight and
+    one stream (the default) never launch with each other's pointers."""
+    import threading
+
+    import cupy as cp
+
+    w = _fresh_weight(512, 1024)
+    inputs = [cp.asarray(np.random.default_rng(s).standard_normal((4, 1024)).astype(np.float16))
+              for s in range(4)]
+    expected = [cp.asnumpy(kc.kbit_gemm(A, w)) for A in inputs]
+    failures = []
+
+    def work(i):
+        try:
+            with cp.cuda.Device(0):
+                for _ in range(300):
+                    got = kc.kbit_gemm(inputs[i], w)
+                    if not (cp.asnumpy(got) == expected[i]).all():
+                        failures.append((i, "wrong result"))
+                        return
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            failures.append((i, repr(exc)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    # and the other public calls from a fresh thread (its first calls build its plans)
+    errors = []
+
+    def others():
+        try:
+            with cp.cuda.Device(0):
+                ex = _experts()
+                A = cp.ones((4, 512), cp.float16)
+                offs = cp.asarray(np.linspace(0, 4, 9).astype(np.int32))
+                kc.kbit_grouped_gemm(A, ex, offs, validate=False)
+                kc.dequantize_kbit(w.packed, w.absmax, w.codebook, 4, w.shape)
+                kc.kbit_gemm(inputs[0], w, kernel="dequant")
+                cp.cuda.get_current_stream().synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(repr(exc))
+
+    t = threading.Thread(target=others)
+    t.start()
+    t.join()
+    assert errors == []
