@@ -182,8 +182,9 @@ class Launch:
     arrays passed are kept alive by the Launch. ``set(i, value)`` changes
     argument ``i``; ``__call__(stream_ptr)`` launches.
 
-    One Launch belongs to one (device, stream): calls from several threads on
-    the same Launch at once would race on its argument block.
+    One Launch belongs to one (device, stream, thread): the package's plans
+    are keyed so, since calls from several threads on the same Launch at once
+    would race on its argument block.
     """
 
     __slots__ = ("_argv", "_keep", "_values", "block", "func", "grid", "shared")
