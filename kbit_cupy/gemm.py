@@ -34,7 +34,13 @@ from ._arrays import (
     to_host,
 )
 from .format import BLOCK, check_codebook, check_k
-from .quantize import _resident_ctas, _sm_count, dequantize_kbit, quantize_kbit
+from .quantize import (
+    _resident_ctas,
+    _sm_count,
+    dequantize_kbit,
+    dequantize_launch,
+    quantize_kbit,
+)
 
 ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
@@ -405,14 +411,14 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     return C
 
 
-_cupy_ndarray = None  # cupy.ndarray once a GPU call has run (the fast path's type test)
-_get_current_stream = None
-
-
-_get_device = None
-_launch_kernel = None
-_alloc = None
+# CuPy entry points the fast path calls, bound by _remember_cupy on the first
+# GPU call (no module lookups per call; None until then, so the type test fails)
+_cupy_ndarray = _get_current_stream = _get_device = _launch_kernel = _alloc = None
 _getrefcount = sys.getrefcount
+# A plan keeps its last C for reuse only up to this size: the allocation it
+# saves (~3 us) matters next to small products, and the memory a plan holds
+# on to stays small however many A shapes a weight sees.
+_SPARE_MAX_BYTES = 4 << 20
 # A plan's argument block is set, then launched: calls from two threads on one
 # stream must not share it, so plans are also per thread (cheap: an int).
 _thread = threading.get_ident
@@ -478,8 +484,11 @@ class _GemmPlan:
             nbytes = N * K_dim * dtype.itemsize
             buf = _launch.stream_buffer("dequant", nbytes, stream)
             self.scratch = buf[:nbytes].view(dtype).reshape(N, K_dim)
-            self.dequant = _dequantize_launch(weight.packed, weight.absmax, weight.codebook,
-                                              weight.k, N * K_dim, self.scratch.reshape(-1))
+            flat = self.scratch.reshape(-1)
+            self.dequant = dequantize_launch(
+                weight.k, N * K_dim, dtype, weight.absmax.dtype,
+                (weight.packed, weight.absmax, weight.codebook, N * K_dim, flat,
+                 int(flat.data.ptr % 16 == 0)))
             _launch.blas().bind(stream)  # creates the handle and the stream's workspace now
             return
         weight.prepare()
@@ -507,10 +516,10 @@ class _GemmPlan:
             self.pdl = self.launches[0][4] if pdl else None
 
     def _output(self, stream):
-        """A new C, or the plan's previous C when nothing else refers to it any
-        more (the caller dropped it): the memory CuPy's pool would hand back
-        for the same request on the same stream, without the 3-4 us of a pool
-        allocation and a new ndarray. Work already queued on this stream that
+        """A new C, or the plan's previous C (up to _SPARE_MAX_BYTES) when
+        nothing else refers to it any more (the caller dropped it): the memory
+        CuPy's pool would hand back for the same request on the same stream,
+        without the 3-4 us of a pool allocation and a new ndarray. Work already queued on this stream that
         read the old C runs before the kernel that overwrites it. While the
         stream is being captured, C is always new and never kept (a graph
         writes it at every replay)."""
@@ -519,9 +528,10 @@ class _GemmPlan:
         spare = self.spare
         if spare is not None and _getrefcount(spare) <= _SOLE_REFERENCE:
             return spare
-        spare = self.spare = _cupy_ndarray(self.out_shape, self.dtype,
-                                           _alloc(self.out_nbytes))
-        return spare
+        C = _cupy_ndarray(self.out_shape, self.dtype, _alloc(self.out_nbytes))
+        if self.out_nbytes <= _SPARE_MAX_BYTES:
+            self.spare = C
+        return C
 
     def __call__(self, A, out, stream):
         """C for A (and ``out``) of the shapes this plan was built for, launched
@@ -573,17 +583,6 @@ def _c_strides(shape, itemsize: int) -> tuple:
         strides.append(step)
         step *= d
     return tuple(reversed(strides))
-
-
-def _dequantize_launch(packed, absmax, codebook, k: int, n: int, flat_out):
-    """A Launch of the dequantize kernel (see quantize._dequantize_cuda)."""
-    from .quantize import _dequantize_geometry
-
-    kernel = _jit.get_kernel("dequantize", k, flat_out.dtype.name, absmax.dtype.name)
-    grid, block = _dequantize_geometry(n)
-    P, I32, I64 = _launch.POINTER, _launch.INT32, _launch.INT64
-    return _launch.Launch(kernel, grid, block, 0, (P, P, P, I64, P, I32),
-                          (packed, absmax, codebook, n, flat_out, int(flat_out.data.ptr % 16 == 0)))
 
 
 _wgmma_cache: dict[int, bool] = {}
@@ -711,7 +710,6 @@ def _device_has_wgmma() -> bool:
         return False
 
 
-_NULL = np.uint64(0)  # a null pointer kernel argument (the grouped launch's inputs)
 _resident_cache: dict[tuple[int, int], int] = {}  # (kernel, dynamic shared) -> CTAs per SM
 # gemm_mma.cu's parameters that change per call: A, C and A's tensor map
 _ARG_A, _ARG_C, _ARG_MAP = 3, 4, 20

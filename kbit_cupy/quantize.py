@@ -437,6 +437,15 @@ _dequantize_launches: dict[tuple, tuple] = {}
 _DEQUANTIZE_ARGS = (_launch.POINTER,) * 3 + (_launch.INT64, _launch.POINTER, _launch.INT32)
 
 
+def dequantize_launch(k: int, n: int, out_dtype, absmax_dtype, values) -> _launch.Launch:
+    """A Launch of the dequantize kernel for ``n`` elements (its kernel and
+    geometry); ``values``: (packed, absmax, codebook, n, flat_out, out
+    aligned), arrays or placeholder zeros (arrays given are kept alive)."""
+    kernel = _jit.get_kernel("dequantize", k, _DTYPE_NAMES[out_dtype], _DTYPE_NAMES[absmax_dtype])
+    grid, block = _dequantize_geometry(n)
+    return _launch.Launch(kernel, grid, block, 0, _DEQUANTIZE_ARGS, values)
+
+
 def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out,
                      stream: int | None = None, dev: int | None = None) -> None:
     """Launch the dequantize kernel into the flat contiguous ``flat_out``.
@@ -453,10 +462,7 @@ def _dequantize_cuda(packed, absmax, codebook, k: int, n: int, flat_out,
     if found is None:
         with _launch.setup_scope():
             _launch.ensure_context()  # per thread: bind this thread's context
-            kernel = _jit.get_kernel("dequantize", k, _DTYPE_NAMES[flat_out.dtype],
-                                     _DTYPE_NAMES[absmax.dtype])
-            grid, block = _dequantize_geometry(n)
-            launch = _launch.Launch(kernel, grid, block, 0, _DEQUANTIZE_ARGS, (0, 0, 0, n, 0, 0))
+            launch = dequantize_launch(k, n, flat_out.dtype, absmax.dtype, (0, 0, 0, n, 0, 0))
         if len(_dequantize_launches) > 4096:  # many sizes: start over rather than grow
             _dequantize_launches.clear()
         found = _dequantize_launches[key] = (launch.prefix, launch.argv,
