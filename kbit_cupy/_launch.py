@@ -38,26 +38,12 @@ import threading
 
 import numpy as np
 
-_cp = None
-
-
-def _cupy():
-    global _cp
-    if _cp is None:
-        import cupy
-
-        _cp = cupy
-    return _cp
-
-
-def cupy():
-    """The cupy module (imported on first use)."""
-    return _cupy()
+from ._arrays import cupy_or_none as cupy  # the cupy module, imported on first use
 
 
 def current_device() -> int:
     """The current CUDA device's ordinal (one runtime call, no Device object)."""
-    return _cupy().cuda.runtime.getDevice()
+    return cupy().cuda.runtime.getDevice()
 
 
 def ensure_context() -> None:
@@ -69,12 +55,12 @@ def ensure_context() -> None:
     module makes (cuLaunchKernel, cuLaunchKernelEx) then fail with
     CUDA_ERROR_INVALID_CONTEXT. cudaFree(NULL) binds it and does nothing else.
     Called where a thread builds its launch plans (outside any capture)."""
-    _cupy().cuda.runtime.free(0)
+    cupy().cuda.runtime.free(0)
 
 
 def current_stream_ptr() -> int:
     """The current CuPy stream's handle (0: the legacy default stream)."""
-    return _cupy().cuda.get_current_stream().ptr
+    return cupy().cuda.get_current_stream().ptr
 
 
 # --------------------------------------------------------------------------
@@ -142,7 +128,7 @@ def pdl_supported() -> bool:
     dev = current_device()
     found = _pdl_devices.get(dev)
     if found is None:
-        major = _cupy().cuda.Device(dev).compute_capability[:-1]
+        major = cupy().cuda.Device(dev).compute_capability[:-1]
         found = _pdl_devices[dev] = int(major) >= 9 and _launch_kernel_ex() is not None
     return found
 
@@ -218,7 +204,7 @@ class Launch:
 
     def __call__(self, stream_ptr: int) -> None:
         g, b = self.grid, self.block
-        _cupy().cuda.driver.launchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2],
+        cupy().cuda.driver.launchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2],
                                          self.shared, stream_ptr, ctypes.addressof(self._argv), 0)
 
 
@@ -262,7 +248,7 @@ def is_capturing(stream=None) -> bool:
     """Whether ``stream`` (default: the current stream) is being captured
     into a CUDA graph. The legacy default stream cannot be captured."""
     if stream is None:
-        stream = _cupy().cuda.get_current_stream()
+        stream = cupy().cuda.get_current_stream()
     return stream.ptr != 0 and stream.is_capturing()
 
 
@@ -276,6 +262,13 @@ def relaxed():
     if not is_capturing():
         yield
         return
+    with _relaxed_mode():
+        yield
+
+
+@contextlib.contextmanager
+def _relaxed_mode():
+    """This thread's capture mode relaxed for the body, then restored."""
     with _setup_lock:
         previous = _exchange_capture_mode(_CAPTURE_MODE_RELAXED)
         try:
@@ -292,14 +285,14 @@ def empty(shape, dtype, nbytes: int | None = None, stream=None):
     current stream object) save work on hot paths: the array is then made
     from one pool allocation, about 3 us less than ``cupy.empty``.
     """
-    cp = _cupy()
+    cp = cupy()
     if stream is None:
         stream = cp.cuda.get_current_stream()
     if stream.ptr == 0 or not stream.is_capturing():
         if nbytes is None:
             return cp.empty(shape, dtype=dtype)
         return cp.ndarray(shape, dtype, cp.cuda.alloc(nbytes))
-    with relaxed():
+    with _relaxed_mode():  # (the stream captures: checked above)
         return cp.empty(shape, dtype=dtype)
 
 
@@ -307,7 +300,7 @@ def copy(src):
     """A device copy of the contiguous CuPy array ``src`` (an async memcpy on the
     current stream: capturable, no elementwise kernel to compile)."""
     out = empty(src.shape, src.dtype)
-    out.data.copy_from_device_async(src.data, src.nbytes, _cupy().cuda.get_current_stream())
+    out.data.copy_from_device_async(src.data, src.nbytes, cupy().cuda.get_current_stream())
     return out
 
 
@@ -317,7 +310,7 @@ def upload(host: np.ndarray):
     pageable memory may wait for the GPU), or, while the stream is being
     captured, on a side stream now (``setup_scope``). Returns (device array,
     pinned buffer); keep both until the copy has run."""
-    cp = _cupy()
+    cp = cupy()
     host = np.ascontiguousarray(host)
     with setup_scope():
         pinned = cp.cuda.alloc_pinned_memory(max(host.nbytes, 1))
@@ -344,19 +337,14 @@ def setup_scope():
     if not is_capturing():
         yield
         return
-    cp = _cupy()
-    with _setup_lock:
-        previous = _exchange_capture_mode(_CAPTURE_MODE_RELAXED)
-        try:
-            dev = current_device()
-            side = _side_streams.get(dev)
-            if side is None:
-                side = _side_streams[dev] = cp.cuda.Stream(non_blocking=True)
-            with side:
-                yield
-            side.synchronize()
-        finally:
-            _exchange_capture_mode(previous)
+    with _relaxed_mode():
+        dev = current_device()
+        side = _side_streams.get(dev)
+        if side is None:
+            side = _side_streams[dev] = cupy().cuda.Stream(non_blocking=True)
+        with side:
+            yield
+        side.synchronize()
 
 
 # --------------------------------------------------------------------------
@@ -374,7 +362,7 @@ def stream_buffer(kind: str, nbytes: int, stream_ptr: int, zeroed: bool = False)
     one keep it alive. ``zeroed``: filled with zeros when allocated (the
     split-K counters, which every launch leaves at zero again).
     """
-    cp = _cupy()
+    cp = cupy()
     key = (kind, current_device(), stream_ptr)
     buf = _buffers.get(key)
     if buf is None or buf.nbytes < nbytes:
@@ -430,7 +418,7 @@ class _Blas:
         ws = self.workspaces.get(stream_ptr)
         if ws is None:  # first use of this stream: allocate outside any capture
             with setup_scope():
-                ws = self.workspaces[stream_ptr] = _cupy().empty(_CUBLAS_WORKSPACE_BYTES, np.uint8)
+                ws = self.workspaces[stream_ptr] = cupy().empty(_CUBLAS_WORKSPACE_BYTES, np.uint8)
         _check_blas(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream_ptr)),
                     "cublasSetStream")
         _check_blas(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(ws.data.ptr),
