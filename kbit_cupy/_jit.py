@@ -108,6 +108,8 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
                     for m_tiles in GEMM_GROUPED_M_TILES:  # mixture-of-experts launch
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, True)))
+                    for m_tiles in GEMM_LATENCY_M_TILES:
+                        out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles)))
     out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
     return out
 
@@ -115,6 +117,8 @@ def all_variants() -> list[Variant]:
 MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_route.cu)
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
+GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
+GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)
 GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations stage per slab
 

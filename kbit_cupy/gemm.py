@@ -46,7 +46,7 @@ ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
 BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
-KERNELS = ("auto", "mma", "wgmma", "dequant")
+KERNELS = ("auto", "mma", "wgmma", "latency", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
 _WARPS = 4  # per gemm_mma CTA
 _WG_WARPGROUPS = None  # override of _jit.gemm_wg_warpgroups (for A/B runs)
@@ -359,9 +359,11 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     weight : a ``KbitWeight`` of shape ``[N, K_dim]``.
     out : optional C-contiguous ``[..., N]`` array of A's dtype and module.
     kernel : ``"auto"``, ``"mma"`` (fused kernel, mma.sync, sm_80+),
-        ``"wgmma"`` (fused kernel, Hopper wgmma; sm_90 GPUs only) or
-        ``"dequant"`` (dequantize to a scratch weight, then cuBLAS); ignored
-        for NumPy A.
+        ``"wgmma"`` (fused kernel, Hopper wgmma; sm_90 GPUs only),
+        ``"latency"`` (fused kernel for few rows on small layers: one CTA per
+        16 rows of W, no split-K workspace; launches of up to 16 rows of A,
+        fewer where K_dim is long) or ``"dequant"`` (dequantize to a scratch
+        weight, then cuBLAS); ignored for NumPy A.
 
     Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the
     same GPU give the same bits on every call.
@@ -493,7 +495,9 @@ class _GemmPlan:
             return
         weight.prepare()
         wg = self.choice == "wgmma"
-        if wg:
+        if self.choice == "latency":
+            step = _latency_rows(K_dim, dtype.itemsize)
+        elif wg:
             # rows per launch; the 129..256-row launches load A through a tensor
             # map, and their setmaxnreg budgets need the register count ptxas gave
             step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
@@ -504,7 +508,10 @@ class _GemmPlan:
         pdl = _launch.pdl_supported()  # gemm_mma.cu: grid_dependency_sync
         for m0 in range(0, M, step):
             rows = min(M, m0 + step) - m0
-            launch, map_tiles = _plan_launch(rows, weight, dtype, wg, stream)
+            if self.choice == "latency":
+                launch, map_tiles = _plan_latency_launch(rows, weight, dtype), 0
+            else:
+                launch, map_tiles = _plan_launch(rows, weight, dtype, wg, stream)
             run = _launch.PdlLaunch(launch) if pdl else launch
             self.launches.append((launch, m0, rows, map_tiles, run))
         if len(self.launches) == 1 and not self.launches[0][3]:
@@ -639,9 +646,11 @@ class DispatchRule:
     fp16: bool | None = None  # activations fp16 (True) or bf16 (False)
     min_weights: int = 0
     max_weights: int | None = None  # exclusive
+    lat_max: int = 0  # up to this many rows: the latency kernel (before mma)
 
 
 _HUGE = 1 << 27  # weights
+_MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layers
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 8, 1024, ks=(2, 4), fp16=False, min_weights=_HUGE),
@@ -649,9 +658,12 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 16, 1024, ks=(2, 3, 4), min_weights=_HUGE),
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512),
+    DispatchRule(True, "mid", 64, 256, ks=(2,), lat_max=8),
+    DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,)),
+    DispatchRule(True, "mid", 64, 256, ks=(4,), max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 64, 256),
-    DispatchRule(True, "small", 64, 64),  # wgmma never wins
+    DispatchRule(True, "small", 64, 64, lat_max=16),  # wgmma never wins
     # other GPUs: mma, then dequantize + cuBLAS
     DispatchRule(False, "widest", 192, 0),
     DispatchRule(False, "large", 128, 0),
@@ -670,8 +682,8 @@ def _layer_class(N: int, K_dim: int, k: int, wgmma: bool) -> str:
 
 
 @functools.cache
-def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int]:
-    """(mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
+def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int, int]:
+    """(lat_max, mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
     layer, weights = _layer_class(N, K_dim, k, wgmma), N * K_dim
     for rule in DISPATCH_TABLE:
         if (rule.wgmma == wgmma and rule.layer == layer
@@ -679,20 +691,22 @@ def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int,
                 and (rule.fp16 is None or rule.fp16 == fp16)
                 and weights >= rule.min_weights
                 and (rule.max_weights is None or weights < rule.max_weights)):
-            return rule.mma_max, rule.wg_max
+            return rule.lat_max, rule.mma_max, rule.wg_max
     raise AssertionError(f"no dispatch rule for {N}x{K_dim} k={k}")  # the table covers all
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None) -> str:
-    """The kernel ``kernel="auto"`` runs for these sizes ("mma", "wgmma" or "dequant"),
-    from ``DISPATCH_TABLE``.
+    """The kernel ``kernel="auto"`` runs for these sizes ("latency", "mma",
+    "wgmma" or "dequant"), from ``DISPATCH_TABLE``.
 
     ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
     current device (False without a GPU).
     """
     if wgmma is None:
         wgmma = _device_has_wgmma()
-    mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
+    lat_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
+    if M <= lat_max:
+        return "latency"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 
 
@@ -820,6 +834,49 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
          units // ctas, units % ctas, workspace, counters, 0, 0, 0, 1, 0, 0))
     return launch, map_tiles
+
+
+# gemm_latency.cu stages the rows of A it multiplies, whole, in shared memory:
+# at most this many bytes of them per launch (the rest of a CTA's shared
+# memory: the pair table, up to 33 KB, and the warps' partial tiles).
+_LATENCY_STAGE_BYTES = 64 * 1024
+
+
+def _latency_rows(K_dim: int, itemsize: int) -> int:
+    """Rows of A per gemm_latency launch: up to 8 * max(GEMM_LATENCY_M_TILES)
+    (16), fewer where K_dim is long (the whole rows are staged)."""
+    k_pad = _tile_counts(1, K_dim)[1] * K_PER_TILE
+    return max(1, min(8 * max(_jit.GEMM_LATENCY_M_TILES), _LATENCY_STAGE_BYTES // (k_pad * itemsize)))
+
+
+def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
+    """Launch of gemm_latency.cu for ``M`` (<= _latency_rows) rows of A: one
+    CTA per 16-row tile of W, its warps splitting the K tiles. Warps per CTA:
+    one per K tile up to GEMM_LATENCY_MAX_WARPS, halved (each warp then
+    takes two or more K tiles) while the CTAs would not all be resident at
+    once: one wave, whose loads are all issued at the start. A and C are set
+    per call."""
+    N, K_dim = weight.shape
+    tiles, scales = weight._tiles
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
+    kern = _jit.get_kernel("gemm_latency", weight.k, dtype.name, weight.absmax.dtype.name, m_tiles)
+    stage = M * kt_n * K_PER_TILE * dtype.itemsize
+    warps = min(_jit.GEMM_LATENCY_MAX_WARPS, kt_n)
+    while True:
+        shared = stage + warps * m_tiles * 32 * 16  # + the warps' partial tiles, fp32
+        per_sm = launch_ctas_per_sm(kern, 32 * warps, shared)
+        if warps <= 4 or per_sm * _sm_count() >= rt_n:
+            break
+        warps = (warps + 1) // 2
+    if per_sm < 1:
+        raise ValueError(f"A's rows of {K_dim} columns do not fit the latency kernel's shared "
+                         "memory; use kernel='mma'")
+    return _launch.Launch(kern, (rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
+                          (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n))
+
+
+_LATENCY_ARG_TYPES = (_launch.POINTER,) * 5 + (_launch.INT32,) * 4
 
 
 _map_cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()

@@ -73,87 +73,10 @@
 // prefix count of problems per expert in shared memory first (no host round
 // trip, no extra launch), and finds a unit's expert by binary search in it.
 #include "common.cuh"
+#include "mma_common.cuh"
 #include "wgmma.cuh"
 
 namespace kbit {
-
-// Programmatic dependent launch (sm_90). gemm.py may launch this kernel with
-// CUDA's programmatic-stream-serialization attribute, so that a launch queued
-// behind another kernel starts as that kernel's CTAs exit (the implicit
-// trigger: this kernel never calls launch_dependents, which measured slower
-// at M = 1 on the H100: the next grid's CTAs took SM slots early and unevenly)
-// instead of after its grid has completed. Every CTA first waits until the
-// kernels before it have completed and their writes are visible: nothing in
-// this kernel touches memory before that, so it reads A, the workspace and
-// the counters exactly as a serialized launch would. Without the attribute,
-// or before sm_90, the wait is a no-op.
-__device__ __forceinline__ void grid_dependency_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-template <typename T> struct Mma;
-template <> struct Mma<__half> {
-  __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ static unsigned to_bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
-  __device__ static unsigned mul2(unsigned x, unsigned y) {
-    __half2 r = __hmul2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&y));
-    return *reinterpret_cast<unsigned*>(&r);
-  }
-  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
-};
-template <> struct Mma<__nv_bfloat16> {
-  __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ static unsigned to_bits(float v) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  }
-  __device__ static unsigned mul2(unsigned x, unsigned y) {
-    __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x),
-                               *reinterpret_cast<__nv_bfloat162*>(&y));
-    return *reinterpret_cast<unsigned*>(&r);
-  }
-  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-};
-
-// Bits [off, off + 32) of a lane's index string (off is a compile-time constant).
-template <int K>
-__device__ __forceinline__ unsigned field_at(const unsigned (&w)[4 * K], int off) {
-  const int word = off >> 5, shift = off & 31;
-  if (shift == 0) return w[word];
-  if (word + 1 >= 4 * K) return w[word] >> shift;
-  return __funnelshift_r(w[word], w[word + 1], shift);
-}
-
-// Byte offset in the pair table (entry = the 2K bits at `off`, 128 bytes per
-// entry, this lane's word): the string shifted so that those bits land at bit
-// 7, masked, or-ed with 4 * lane. Two ALU instructions.
-template <int K>
-__device__ __forceinline__ unsigned pair_offset(const unsigned (&w)[4 * K], int off,
-                                                unsigned lane4) {
-  constexpr unsigned kMask = ((1u << (2 * K)) - 1) << 7;
-  const unsigned bits = off >= 7 ? field_at<K>(w, off - 7) : w[0] << (7 - off);
-  return (bits & kMask) | lane4;
-}
-
-// An fp16 scale (low 16 bits of `bits`) as a (scale, scale) pair in T.
-template <typename T>
-__device__ __forceinline__ unsigned fp16_scale_pair(unsigned bits) {
-  const unsigned h = Mma<T>::to_bits(__half2float(__ushort_as_half((unsigned short)(bits & 0xffffu))));
-  return h | (h << 16);
-}
 
 // Slab staging of the wgmma path (see the kernel): from this many n8 tiles.
 // The ring's stages for M_TILES and WG warpgroups: about 128 KB of
@@ -185,20 +108,6 @@ __host__ __device__ constexpr int kReloadAfter(int q) {
   return (128 * (q + 1) + 7 + 16 * K - 1) / (16 * K) - 1 > 7 ? 7
                                                              : (128 * (q + 1) + 7 + 16 * K - 1) / (16 * K) - 1;
 }
-
-template <typename T> struct IsHalf { static constexpr bool value = false; };
-template <> struct IsHalf<__half> { static constexpr bool value = true; };
-
-// Scale entries this lane loads: 4 codes of one row (see the layout above).
-template <typename TScale> struct ScaleWord;
-template <> struct ScaleWord<unsigned char> {
-  using Raw = unsigned;
-  static constexpr int kBytes = 4;
-};
-template <> struct ScaleWord<__half> {
-  using Raw = uint2;
-  static constexpr int kBytes = 8;
-};
 
 // CTAs per SM the register allocation must allow: M_TILES = 4 with two row
 // tiles per warp sits just above an occupancy step at k = 2 with E4M4 scales
@@ -861,32 +770,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       for (int r = 0; r < RPW; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          unsigned sp;  // (scale, scale) of row g + 8h, block j
-          const unsigned* sw = h ? sw_hi[r] : sw_lo[r];
-          if constexpr (sizeof(TScale) == 1) {
-            if constexpr (kAluScale) {
-              const unsigned sel = 0x4040u | ((j & 3) << 8) | (j & 3);  // byte j & 3 -> bytes 0, 2
-              sp = Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 6, 0x4c004c00u);  // x (16, 16)
-            } else {
-              sp = scale_pair[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
-            }
-          } else {
-            sp = fp16_scale_pair<T>(sw[j >> 1] >> (16 * (j & 1)));
-          }
+          // (scale, scale) of row g + 8h, block j
+          const unsigned sp =
+              block_scale_pair<T, TScale, kAluScale>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
-            const int f = 16 * j + 8 * h + 2 * p;
-            unsigned pair;
-            if constexpr (K == 2) {
-              pair = __shfl_sync(kFullMask, cb_pair, field_at<K>(w[r], f * K));
-            } else if constexpr (kPairTable) {
-              pair = *reinterpret_cast<const unsigned*>(
-                  reinterpret_cast<const char*>(pair_tab) + pair_offset<K>(w[r], f * K, lane4));
-            } else {
-              const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w[r], f * K));
-              const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w[r], (f + 1) * K));
-              pair = __byte_perm(e0, e1, 0x5410);
-            }
+            const unsigned pair = weight_pair<K, kPairTable>(w[r], 16 * j + 8 * h + 2 * p, cb,
+                                                             cb_pair, pair_tab, lane4);
             wp[r][h][p] = Mma<T>::mul2(pair, sp);
           }
         }

@@ -146,6 +146,8 @@ def test_auto_dispatch_against_the_committed_sweep(wgmma):
                 continue
             t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in kernels}
             chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=wgmma)
+            if chosen == "latency":  # not in this sweep: test_latency_dispatch_against_its_run
+                continue
             assert chosen in kernels
             big = N * K_dim >= 1 << 24
             worst[big] = max(worst[big], t[chosen] / min(t.values()))
@@ -350,5 +352,8 @@ def test_dispatch_table_chooses_what_the_constants_chose():
                                                       (True, False)):
         dtype = np.float16 if fp16 else BFLOAT16
         for M in Ms:
-            assert choose_kernel(M, N, K_dim, k, dtype, wgmma=wgmma) == \
-                _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma), (M, N, K_dim, k, fp16, wgmma)
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=wgmma)
+            before = _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma)
+            # the latency kernel (added after the constants) takes over from mma only
+            assert chosen == before or (chosen == "latency" and before == "mma"), \
+                (M, N, K_dim, k, fp16, wgmma, chosen, before)

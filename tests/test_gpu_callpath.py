@@ -50,7 +50,7 @@ def _experts(E=8, N=256, K_dim=512, k=4):
 
 
 def _gemm_kernels():
-    kernels = ["mma", "dequant", "auto"]
+    kernels = ["mma", "latency", "dequant", "auto"]
     if kc.gemm.has_wgmma():
         kernels.append("wgmma")
     return kernels

@@ -46,7 +46,7 @@ def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
     return w, A, C
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "dequant", "auto"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency", "dequant", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_small_sweep(kernel, dtype, k):
@@ -59,7 +59,7 @@ def test_small_sweep(kernel, dtype, k):
         run_case(M, N, K_dim, k, dtype, kernel)
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency"])
 @pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scale_formats(kernel, fmt, dtype):
@@ -67,7 +67,7 @@ def test_scale_formats(kernel, fmt, dtype):
         run_case(M, 129, 512, 4, dtype, kernel, fmt=fmt)
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 40])
 def test_every_e4m4_code(kernel, dtype, M):
@@ -120,6 +120,7 @@ def test_wide_sweep(dtype, k):
         run_case(M, N, K_dim, k, dtype, "auto", seed=int(i))
         if M <= 64:
             run_case(M, N, K_dim, k, dtype, "mma", seed=int(i))
+            run_case(M, N, K_dim, k, dtype, "latency", seed=int(i))
         if has_wgmma():
             run_case(M, N, K_dim, k, dtype, "wgmma", seed=int(i))
 
@@ -133,6 +134,24 @@ def test_deterministic_with_split_k(M):
     for _ in range(3):
         again = kbit_gemm(A_dev, w, kernel="mma")
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 17])
+def test_latency_kernel_deterministic_and_warp_counts(monkeypatch, M):
+    """gemm_latency.cu with one K tile per warp, several per warp (fewer
+    warps than K tiles: the register double buffer), and long rows (fewer
+    rows of A per launch): exact to the reference and the same bits again."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    for max_warps in (16, 3):
+        monkeypatch.setattr(gemm._jit, "GEMM_LATENCY_MAX_WARPS", max_warps)
+        for N, K_dim, k in [(768, 2048, 4), (300, 4352, 3), (40, 14336, 2), (129, 800, 5)]:
+            w, A, C = run_case(M, N, K_dim, k, np.float16, "latency")
+            for _ in range(2):
+                again = kbit_gemm(cp.asarray(A), w, kernel="latency")
+                assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])

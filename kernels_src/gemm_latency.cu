@@ -1,0 +1,214 @@
+// gemm_latency.cu: C = A @ dequant(W).T for products whose launch, not their
+// bytes, sets the time: small layers (2048x768, 768x2048, 4096x4096) at a few
+// rows of A, where gemm_mma.cu's machinery (the work split over every
+// resident CTA, fp32 partials in a workspace, per-row-tile counters, a
+// double-buffered activation pipeline) costs more than the weight's bytes.
+//
+// One CTA per 16-row tile of W; its warps split the K tiles (warp w takes
+// K tiles w, w + warps, ...), so every weight byte is read by the first wave
+// and all of a warp's loads are issued before anything waits. The CTA stages
+// the rows of A it multiplies (at most 8 * M_TILES, the whole K_dim) in shared
+// memory once, with one barrier; the warps then decode and multiply exactly
+// as gemm_mma.cu does (same tile layout, same lookup, same mma.sync m16n8k16
+// with fp32 accumulators, same effective weights), and add their partial
+// tiles in shared memory, in warp order: no workspace, no atomics, the same
+// bits on every call. The order of the K sum differs from gemm_mma.cu's, so
+// the two kernels agree to fp32 rounding (FORMAT.md section 7), not in bits.
+//
+// Layout of the staged activations: row r holds 32 chunks of 16 bytes per K
+// tile (columns past K_dim zero-filled), chunk c at r * stride + (c ^ (r & 7))
+// (the 8 row addresses of one ldmatrix phase hit distinct banks). Rows past M
+// are not staged: their ldmatrix lanes read a zero row.
+//
+// Lookup: k = 2 and 5 as gemm_mma.cu; k = 3 through its pair table (8 KB,
+// built per CTA); k = 4 through the lane-register codebook (two shuffles and
+// a byte_perm per pair): its 32 KB pair table, built by every CTA, measured
+// about 0.5 us slower on 2048x768 at M = 1 (H100), where k = 5 with the
+// shuffle decode was as fast as k = 4 with the table.
+//
+// Tried and not kept (H100): a cluster of 2..8 CTAs per row tile splitting
+// its K tiles, partial sums added through distributed shared memory, so that
+// more SMs read the weight (2048x768, 2048x512: 0.3-0.7 us slower at every k
+// and M <= 16; the cluster barriers cost more than the extra SMs gain).
+#include "common.cuh"
+#include "mma_common.cuh"
+
+namespace kbit {
+
+constexpr int kLatencyMaxWarps = 16;  // gemm.py mirrors it (LATENCY_MAX_WARPS)
+
+template <int K, typename T, typename TScale, int M_TILES>
+__global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
+    const uint4* __restrict__ tiles, const void* __restrict__ scales,
+    const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C, int M,
+    int N, int K_dim, int k_tiles) {
+  grid_dependency_sync();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const unsigned lane4 = 4u * lane;
+  const int g = lane >> 2;
+  const int rt = blockIdx.x;
+  const int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
+  const int stride = k_tiles * 32;       // chunks per staged row
+
+  // This warp's first tile first: its loads are in flight during the staging.
+  using RawScale = typename ScaleWord<TScale>::Raw;
+  unsigned w_s[2][4 * K];
+  RawScale raw_s[2];
+  auto load_tile = [&](int kt, unsigned (&w)[4 * K], RawScale& raw) {
+    const long long tile = (long long)rt * k_tiles + kt;
+#pragma unroll
+    for (int q = 0; q < K; ++q) {
+      const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
+      w[4 * q] = v.x;
+      w[4 * q + 1] = v.y;
+      w[4 * q + 2] = v.z;
+      w[4 * q + 3] = v.w;
+    }
+    raw = __ldg(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane);
+  };
+  if (warp < k_tiles) load_tile(warp, w_s[0], raw_s[0]);
+
+  extern __shared__ uint4 x_stage[];  // [rows][stride], then the partial tiles (below)
+  for (int row = 0; row < rows; ++row) {
+    for (int c = threadIdx.x; c < stride; c += blockDim.x) {
+      const bool valid = 8 * c < K_dim;
+      const T* src = valid ? A + (long long)row * K_dim + 8 * c : A;
+      const unsigned dst =
+          (unsigned)__cvta_generic_to_shared(x_stage + row * stride + (c ^ (row & 7)));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                   "r"(valid ? 16 : 0));
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+  __shared__ uint4 zero_row[32];  // what the ldmatrix lanes of rows past M read
+  if (threadIdx.x < 32) zero_row[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+
+  // Tables (as gemm_mma.cu's mma path): the (scale, scale) pair of an E4M4
+  // code where it is not computed (bf16 activations), the pair table of
+  // weights for k = 3 built by shuffles from the lane-register codebook.
+  constexpr bool kAluScale = sizeof(TScale) == 1 && IsHalf<T>::value;
+  __shared__ unsigned scale_pair[sizeof(TScale) == 1 && !kAluScale ? 256 : 1];
+  if constexpr (sizeof(TScale) == 1 && !kAluScale) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+      const unsigned h = Mma<T>::to_bits(e4m4_decode(i));
+      scale_pair[i] = h | (h << 16);
+    }
+  }
+  const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
+  const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
+  constexpr bool kPairTable = K == 3;
+  constexpr int kPairs = 1 << (2 * K);
+  __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
+  if constexpr (kPairTable) {
+    for (int i0 = warp * 32; i0 < kPairs * 8; i0 += blockDim.x) {
+      const int i = i0 + lane, b = (i >> 3) & (kPairs - 1);
+      const unsigned v = (__shfl_sync(kFullMask, cb, b & ((1 << K) - 1)) & 0xffffu) |
+                         (__shfl_sync(kFullMask, cb, b >> K) << 16);
+      if (i < kPairs * 8) pair_tab[i] = make_uint4(v, v, v, v);
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  __syncthreads();  // the staged rows, the zero row and the tables
+
+  // ldmatrix: lane l gives the address of row 8mt + (l & 7), chunk 4j + (l >> 3)
+  // of the K tile (block j): with the swizzle, 8(j >> 1) + ((4(j & 1) + (l >> 3))
+  // ^ (row & 7)), so one address for even and one for odd j plus immediate
+  // offsets. Rows past M read the zero row instead.
+  const unsigned zero_addr = (unsigned)__cvta_generic_to_shared(zero_row);
+  const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage);
+  const int my_row = lane & 7, my_chunk = lane >> 3;
+
+  float acc[M_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
+
+  auto tile = [&](int kt, const unsigned (&w)[4 * K], const RawScale& raw,
+                  unsigned (&w_next)[4 * K], RawScale& raw_next) {
+    if (kt + warps < k_tiles) load_tile(kt + warps, w_next, raw_next);
+    unsigned sw_lo[2 * ScaleWord<TScale>::kBytes / 4], sw_hi[2 * ScaleWord<TScale>::kBytes / 4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if constexpr (sizeof(TScale) == 1) {
+        sw_lo[half] = __shfl_sync(kFullMask, raw, 2 * g + half);
+        sw_hi[half] = __shfl_sync(kFullMask, raw, 2 * g + 16 + half);
+      } else {
+        sw_lo[2 * half] = __shfl_sync(kFullMask, raw.x, 2 * g + half);
+        sw_lo[2 * half + 1] = __shfl_sync(kFullMask, raw.y, 2 * g + half);
+        sw_hi[2 * half] = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
+        sw_hi[2 * half + 1] = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
+      }
+    }
+    unsigned x_even[M_TILES], x_odd[M_TILES];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      const int row = 8 * mt + my_row;
+      const unsigned base = x_base + 16u * (row * stride + kt * 32);
+      x_even[mt] = row < rows ? base + 16u * (my_chunk ^ my_row) : zero_addr;
+      x_odd[mt] = row < rows ? base + 16u * ((4 + my_chunk) ^ my_row) : zero_addr;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      unsigned wp[2][4];  // [h][pair p]: columns (8p + 2t, +1) of row g + 8h, block j
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // (scale, scale) of row g + 8h, block j
+        const unsigned sp = block_scale_pair<T, TScale, kAluScale>(h ? sw_hi : sw_lo, j, scale_pair);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const unsigned pair =
+              weight_pair<K, kPairTable>(w, 16 * j + 8 * h + 2 * p, cb, cb_pair, pair_tab, lane4);
+          wp[h][p] = Mma<T>::mul2(pair, sp);
+        }
+      }
+      // A block is 4 chunks: ldmatrix.x4 gives lane (g, t) words t, 4 + t,
+      // 8 + t, 12 + t of row 8mt + g: b0, b1 of both k16 steps.
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        uint4 x;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                     : "r"((j & 1 ? x_odd[mt] : x_even[mt]) + (j >> 1) * 128));
+#pragma unroll
+        for (int slab = 0; slab < 2; ++slab) {
+          const unsigned a[4] = {wp[0][2 * slab], wp[1][2 * slab], wp[0][2 * slab + 1],
+                                 wp[1][2 * slab + 1]};
+          Mma<T>::run(acc[mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
+        }
+      }
+    }
+  };
+  for (int kt = warp; kt < k_tiles; kt += 2 * warps) {
+    tile(kt, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+    if (kt + warps < k_tiles) tile(kt + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
+  }
+
+  // The warps' partial tiles (after the staged rows: [warps][M_TILES][32]),
+  // added in warp order.
+  float4* red = reinterpret_cast<float4*>(x_stage + rows * stride);
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+    red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+  __syncthreads();
+  for (int i = threadIdx.x; i < M_TILES * 32; i += blockDim.x) {
+    const int mt = i >> 5, l = i & 31;
+    float4 s = red[mt * 32 + l];
+    for (int w = 1; w < warps; ++w) {
+      const float4 v = red[(w * M_TILES + mt) * 32 + l];
+      s.x += v.x;
+      s.y += v.y;
+      s.z += v.z;
+      s.w += v.w;
+    }
+    const float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int n = rt * 16 + (l >> 2) + 8 * (c >> 1);
+      const int m = mt * 8 + 2 * (l & 3) + (c & 1);
+      if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, v[c]);
+    }
+  }
+}
+
+}  // namespace kbit

@@ -1,0 +1,145 @@
+// mma_common.cuh: what the tensor-core GEMM kernels share (gemm_mma.cu,
+// gemm_latency.cu): the mma.sync wrappers per activation type, the lane's
+// index-string field access, the pair-table addressing, scale helpers.
+#pragma once
+#include "common.cuh"
+
+namespace kbit {
+
+// Programmatic dependent launch (sm_90). gemm.py may launch the GEMM kernels with
+// CUDA's programmatic-stream-serialization attribute, so that a launch queued
+// behind another kernel starts as that kernel's CTAs exit (the implicit
+// trigger: the kernels never call launch_dependents, which measured slower
+// at M = 1 on the H100: the next grid's CTAs took SM slots early and unevenly)
+// instead of after its grid has completed. Every CTA first waits until the
+// kernels before it have completed and their writes are visible: nothing in
+// a kernel touches memory before that, so it reads A, the workspace and
+// the counters exactly as a serialized launch would. Without the attribute,
+// or before sm_90, the wait is a no-op.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+  __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static unsigned to_bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  __device__ static unsigned mul2(unsigned x, unsigned y) {
+    __half2 r = __hmul2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&y));
+    return *reinterpret_cast<unsigned*>(&r);
+  }
+  __device__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
+};
+template <> struct Mma<__nv_bfloat16> {
+  __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static unsigned to_bits(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+  __device__ static unsigned mul2(unsigned x, unsigned y) {
+    __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&x),
+                               *reinterpret_cast<__nv_bfloat162*>(&y));
+    return *reinterpret_cast<unsigned*>(&r);
+  }
+  __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+};
+
+// Bits [off, off + 32) of a lane's index string (off is a compile-time constant).
+template <int K>
+__device__ __forceinline__ unsigned field_at(const unsigned (&w)[4 * K], int off) {
+  const int word = off >> 5, shift = off & 31;
+  if (shift == 0) return w[word];
+  if (word + 1 >= 4 * K) return w[word] >> shift;
+  return __funnelshift_r(w[word], w[word + 1], shift);
+}
+
+// Byte offset in the pair table (entry = the 2K bits at `off`, 128 bytes per
+// entry, this lane's word): the string shifted so that those bits land at bit
+// 7, masked, or-ed with 4 * lane. Two ALU instructions.
+template <int K>
+__device__ __forceinline__ unsigned pair_offset(const unsigned (&w)[4 * K], int off,
+                                                unsigned lane4) {
+  constexpr unsigned kMask = ((1u << (2 * K)) - 1) << 7;
+  const unsigned bits = off >= 7 ? field_at<K>(w, off - 7) : w[0] << (7 - off);
+  return (bits & kMask) | lane4;
+}
+
+// An fp16 scale (low 16 bits of `bits`) as a (scale, scale) pair in T.
+template <typename T>
+__device__ __forceinline__ unsigned fp16_scale_pair(unsigned bits) {
+  const unsigned h = Mma<T>::to_bits(__half2float(__ushort_as_half((unsigned short)(bits & 0xffffu))));
+  return h | (h << 16);
+}
+
+// (scale, scale) in T of block j (0..7) of one row, from the lane's scale
+// words of that row `sw` (E4M4: 4 codes per word; fp16: 2 per word): with
+// kAluScale (fp16 activations, E4M4) computed, an E4M4 code c as fp16 bits
+// c << 6 being exactly s / 16 (byte_perm c into both halves, shift, HMUL2 by
+// (16, 16)); else from the 256-entry table `scale_pair` (E4M4) or converted
+// (fp16 scales).
+template <typename T, typename TScale, bool kAluScale>
+__device__ __forceinline__ unsigned block_scale_pair(const unsigned* sw, int j,
+                                                     const unsigned* scale_pair) {
+  if constexpr (sizeof(TScale) == 1) {
+    if constexpr (kAluScale) {
+      const unsigned sel = 0x4040u | ((j & 3) << 8) | (j & 3);  // byte j & 3 -> bytes 0, 2
+      return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 6, 0x4c004c00u);  // x (16, 16)
+    } else {
+      return scale_pair[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
+    }
+  } else {
+    return fp16_scale_pair<T>(sw[j >> 1] >> (16 * (j & 1)));
+  }
+}
+
+// The codebook entries of fields f and f + 1 of the lane's index string `w`
+// as a pair in T: k = 2 one shuffle of the lane-register pair table
+// `cb_pair` (lane a | b << 2 holds (codebook[a], codebook[b])); with
+// kPairTable (k = 3, 4) one load from the lane-replicated pair table in
+// shared memory; otherwise two shuffles of the lane-register codebook `cb`
+// (lane j holds codebook[j mod 2^K]) and a byte_perm.
+template <int K, bool kPairTable>
+__device__ __forceinline__ unsigned weight_pair(const unsigned (&w)[4 * K], int f, unsigned cb,
+                                                unsigned cb_pair, const uint4* pair_tab,
+                                                unsigned lane4) {
+  if constexpr (K == 2) {
+    return __shfl_sync(kFullMask, cb_pair, field_at<K>(w, f * K));
+  } else if constexpr (kPairTable) {
+    return *reinterpret_cast<const unsigned*>(reinterpret_cast<const char*>(pair_tab) +
+                                              pair_offset<K>(w, f * K, lane4));
+  } else {
+    const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w, f * K));
+    const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w, (f + 1) * K));
+    return __byte_perm(e0, e1, 0x5410);
+  }
+}
+
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<__half> { static constexpr bool value = true; };
+
+// Scale entries a lane loads: 4 codes of one row (the tile layout: gemm_mma.cu).
+template <typename TScale> struct ScaleWord;
+template <> struct ScaleWord<unsigned char> {
+  using Raw = unsigned;
+  static constexpr int kBytes = 4;
+};
+template <> struct ScaleWord<__half> {
+  using Raw = uint2;
+  static constexpr int kBytes = 8;
+};
+
+
+}  // namespace kbit
