@@ -21,7 +21,8 @@ parser.add_argument("--no-cublas", action="store_true",
                     help="skip kernel='dequant' (cuBLAS kernels report their own racecheck hazards)")
 parser.add_argument("--stream-k", action="store_true",
                     help="force the mma kernel's stream-K work split (CTAs ending two segments)")
-parser.add_argument("--only", choices=["mma", "wgmma"], help="one fused kernel (and no cuBLAS)")
+parser.add_argument("--only", choices=["mma", "wgmma", "latency"],
+                    help="one fused kernel (and no cuBLAS)")
 parser.add_argument("--large-m", action="store_true",
                     help="wgmma launches of 129..256 rows only (warp-specialised, tensor copies), "
                          "both work splits")
@@ -33,7 +34,7 @@ if args.stream_k:
     gemm._STREAM_K_SLACK = -10**6
 
 rng = np.random.default_rng(0)
-fused = ("mma", "wgmma") if kc.gemm.has_wgmma() else ("mma",)  # the fused kernels this GPU runs
+fused = ("mma", "wgmma", "latency") if kc.gemm.has_wgmma() else ("mma", "latency")  # this GPU runs
 if args.only:
     fused = tuple(f for f in fused if f == args.only)
 shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),
