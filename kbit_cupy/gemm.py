@@ -653,6 +653,7 @@ _HUGE = 1 << 27  # weights
 _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layers
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
+    DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
     DispatchRule(True, "large", 8, 1024, ks=(2, 4), fp16=False, min_weights=_HUGE),
     DispatchRule(True, "large", 8, 512, ks=(2, 4), fp16=False),
     DispatchRule(True, "large", 16, 1024, ks=(2, 3, 4), min_weights=_HUGE),
@@ -661,7 +662,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 64, 256, ks=(2,), lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,)),
-    DispatchRule(True, "mid", 64, 256, ks=(4,), max_weights=_MID_LATENCY, lat_max=8),
+    DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 64, 256),
     DispatchRule(True, "small", 64, 64, lat_max=16),  # wgmma never wins
     # other GPUs: mma, then dequantize + cuBLAS

@@ -156,6 +156,35 @@ def test_auto_dispatch_against_the_committed_sweep(wgmma):
     assert worst[True] <= 1.06 and worst[False] <= 1.10, worst
 
 
+def test_latency_dispatch_against_its_run():
+    # Where kernel="auto" picks the latency kernel or mma on an sm_90 GPU, it
+    # stays close to the faster of the two in the committed H100 run of
+    # benchmarks/latency_kernel.py (both kernels, kernel-only, one process).
+    import json
+    from pathlib import Path
+
+    from kbit_cupy.gemm import choose_kernel
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    paths = sorted(results.glob("latency_h100_*.json"))
+    assert paths
+    worst, latency_picked = 1.0, 0
+    for path in paths:
+        records = json.loads(path.read_text())["records"]
+        times = {(r["K_dim"], r["N"], r["M"], r["k"], r["dtype"], r["kernel"]): r["graph_us"]
+                 for r in records}
+        for K_dim, N, M, k, dtype, kernel in times:
+            if kernel != "mma":
+                continue
+            t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "latency")}
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True)
+            if chosen in t:
+                worst = max(worst, t[chosen] / min(t.values()))
+                latency_picked += chosen == "latency"
+    assert latency_picked >= 50, latency_picked
+    assert worst <= 1.06, worst
+
+
 # --------------------------------------------------------------------------
 # the mma kernel's work split (gemm_mma.cu "Work split"), mirrored in Python
 
