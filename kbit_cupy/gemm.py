@@ -610,8 +610,9 @@ def has_wgmma() -> bool:
 # kernel="auto": the dispatch table
 #
 # One row per (GPU kind, layer class, k, activation dtype, weight count): up
-# to ``mma_max`` rows of A run the mma kernel, up to ``wg_max`` the wgmma
-# kernel (sm_90 only), beyond that dequantize + cuBLAS. The first row that
+# to ``lat_max`` rows of A run the latency kernel, up to ``mma_max`` the mma
+# kernel, up to ``wg_max`` the wgmma kernel (sm_90 only), beyond that
+# dequantize + cuBLAS. The first row that
 # matches decides. Layer classes (``_layer_class``): "widest" N >= 16384, or
 # K_dim >= 16384 at k <= 4; "large" N >= 16384 or K_dim >= 8192; "mid" at
 # least 2^24 weights; "small" the rest.
@@ -628,6 +629,11 @@ def has_wgmma() -> bool:
 #   2^27 weights (its shuffle decode); dequantize + cuBLAS beyond (0.92x
 #   cuBLAS at M = 4096). On 4096x6144 mma to 64 (k = 5: 32), wgmma to 256; on
 #   2048x768 and 768x2048 wgmma never wins.
+# - lat_max (sm_90): benchmarks/results/latency_h100_*.json (the latency
+#   kernel against mma, M 1..16, fp16 and bf16): small layers to M = 16 (1.3-
+#   1.85x cuBLAS at M = 1 against mma's 0.8-1.1x), mid layers up to 2^24
+#   weights to M = 8 (k = 2 every mid layer), k = 2 fp16 on large layers under
+#   2^26 weights to M = 2 (14336x4096). Other GPUs: not measured, mma.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
