@@ -185,6 +185,33 @@ def test_latency_dispatch_against_its_run():
     assert worst <= 1.06, worst
 
 
+def test_dispatch_on_the_h200_against_its_run():
+    # The sm_90 table, derived on the H100, on the H200 (same SM count, 4.8
+    # against 3.35 TB/s): within 1.05x of the fastest of mma, latency and
+    # wgmma at every point of the committed H200 run (fp16, 7 layers, M 1..16,
+    # k 2..5, kernel-only), so the H200 needs no rows of its own.
+    import json
+    from pathlib import Path
+
+    from kbit_cupy.gemm import choose_kernel
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    paths = sorted(results.glob("latency_h200_*.json"))
+    assert paths
+    worst = 1.0
+    for path in paths:
+        records = json.loads(path.read_text())["records"]
+        times = {(r["K_dim"], r["N"], r["M"], r["k"], r["dtype"], r["kernel"]): r["graph_us"]
+                 for r in records}
+        for K_dim, N, M, k, dtype, kernel in times:
+            if kernel != "mma":
+                continue
+            t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "latency", "wgmma")}
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True)
+            worst = max(worst, t[chosen] / min(t.values()))
+    assert worst <= 1.05, worst
+
+
 # --------------------------------------------------------------------------
 # the mma kernel's work split (gemm_mma.cu "Work split"), mirrored in Python
 
