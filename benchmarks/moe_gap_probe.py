@@ -1,0 +1,88 @@
+"""Where moe_linear's time over kbit_grouped_gemm goes (issue 21: within 15%).
+
+Kernel-only (CUDA graphs, cold L2, harness.time_graph), k=4, fp16, 128
+experts of [1536, 2048], top-8, T tokens (8T rows):
+- grouped: kbit_grouped_gemm on rows already grouped by expert;
+- gather: the same launch with the rows read and written through an
+  identity ``row_ids`` table (ids_per_row = 1): the indirection alone;
+- gather/8: through ``row_ids`` with ids_per_row = 8 (A has T rows, as in
+  moe_linear): the indirection and the division;
+- moe_linear (validate=False): routing launch + the grouped launch.
+Usage: PYTHONPATH=. python benchmarks/moe_gap_probe.py [--t 128 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--t", nargs="+", type=int, default=[128, 512])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--shape", default="2048x1536", help="K_dimxN")
+    args = p.parse_args()
+
+    import cupy as cp
+
+    from kbit_cupy import quantize_experts
+    from kbit_cupy.bench import harness
+
+    K_dim, N = (int(v) for v in args.shape.split("x"))
+    E, top_k = args.experts, args.top_k
+    rng = np.random.default_rng(0)
+    W = cp.asarray((rng.standard_normal((E, N, K_dim)) * 0.02).astype(np.float16))
+    experts = quantize_experts(W, k=4).prepare()
+    del W
+    cp.cuda.Device().synchronize()
+    print(f"{harness.gpu_info()['gpu']}: {E} experts of [{N}, {K_dim}], top-{top_k}, k=4 fp16")
+    for T in args.t:
+        _probe(T, E, top_k, K_dim, N, experts, rng)
+    return 0
+
+
+def _probe(T, E, top_k, K_dim, N, experts, rng):
+    """The four ops at T tokens, each timed as a CUDA graph; printed."""
+    import cupy as cp
+
+    from kbit_cupy import experts as ex
+    from kbit_cupy import kbit_grouped_gemm, moe_linear
+    from kbit_cupy.bench import harness
+
+    R = T * top_k
+    ids = cp.asarray(np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)])
+                     .astype(np.int32))
+    x = cp.asarray(rng.standard_normal((T, K_dim)).astype(np.float16))
+    flat = cp.asnumpy(ids).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    offsets = cp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    A_sorted = cp.asarray(cp.asnumpy(x)[order // top_k])
+    C = cp.empty((R, N), cp.float16)
+    ident = cp.arange(R, dtype=cp.int32)
+    A_rows = cp.ascontiguousarray(A_sorted)  # R rows: gather through the identity
+    x_tok = cp.asarray(cp.asnumpy(A_sorted)[::top_k])  # T rows: row g // 8
+    out3 = cp.empty((T, top_k, N), cp.float16)
+    ops = {
+        "grouped": lambda: kbit_grouped_gemm(A_sorted, experts, offsets, out=C, validate=False),
+        "gather": lambda: ex._launch_grouped(A_rows, experts, offsets, C, row_ids=ident),
+        "gather/8": lambda: ex._launch_grouped(x_tok, experts, offsets, C, row_ids=ident,
+                                               ids_per_row=top_k),
+        "moe_linear": lambda: moe_linear(x, ids, experts, out=out3, validate=False),
+    }
+    for op in ops.values():
+        op()
+    cp.cuda.Device().synchronize()
+    base = None
+    for name, op in ops.items():
+        st = harness.time_graph(op, reps=20)
+        t = st["median_us"] if st else float("nan")
+        base = base or t
+        print(f"T={T:<4} {name:<11} {t:8.2f} us  {t / base:5.3f}x grouped", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
