@@ -24,6 +24,9 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--shape", default="2048x1536", help="K_dimxN")
+    p.add_argument("--wg-ab", action="store_true",
+                   help="instead: kbit_grouped_gemm and moe_linear with the grouped launch "
+                        "forced onto mma.sync and onto the Hopper path (wgmma)")
     args = p.parse_args()
 
     import cupy as cp
@@ -36,12 +39,80 @@ def main() -> int:
     rng = np.random.default_rng(0)
     W = cp.asarray((rng.standard_normal((E, N, K_dim)) * 0.02).astype(np.float16))
     experts = quantize_experts(W, k=4).prepare()
+    experts_wg = quantize_experts(W, k=4).prepare() if args.wg_ab else None  # own plans
     del W
     cp.cuda.Device().synchronize()
     print(f"{harness.gpu_info()['gpu']}: {E} experts of [{N}, {K_dim}], top-{top_k}, k=4 fp16")
     for T in args.t:
-        _probe(T, E, top_k, K_dim, N, experts, rng)
+        if args.wg_ab:
+            _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng)
+        else:
+            _probe(T, E, top_k, K_dim, N, experts, rng)
     return 0
+
+
+def _time_and_print(T, ops):
+    """Each op as a CUDA graph (harness.time_graph), printed against the first."""
+    from kbit_cupy.bench import harness
+
+    base = None
+    for name, op in ops.items():
+        st = harness.time_graph(op, reps=20)
+        t = st["median_us"] if st else float("nan")
+        base = base or t
+        print(f"T={T:<4} {name:<17} {t:8.2f} us  {t / base:5.3f}x the first", flush=True)
+
+
+def _routed(T, E, top_k, K_dim, rng):
+    """A seeded router's ids, the tokens, the group offsets and the rows
+    grouped by expert (stable), as device arrays."""
+    import cupy as cp
+
+    ids = cp.asarray(np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)])
+                     .astype(np.int32))
+    x = cp.asarray(rng.standard_normal((T, K_dim)).astype(np.float16))
+    flat = cp.asnumpy(ids).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = cp.asarray(np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
+                         .astype(np.int32))
+    return ids, x, offsets, cp.asarray(cp.asnumpy(x)[order // top_k])
+
+
+def _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng):
+    """The grouped launch on mma.sync against the Hopper path, both results
+    compared (relative error), each op a CUDA graph; printed."""
+    import cupy as cp
+
+    from kbit_cupy import experts as ex
+    from kbit_cupy import kbit_grouped_gemm, moe_linear
+
+    ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
+    outs = {}
+
+    def forced(fn, wg):
+        def op():
+            ex._GROUPED_WG = wg  # plans are per stream: the timing stream's is made on its first call
+            try:
+                return fn()
+            finally:
+                ex._GROUPED_WG = None
+        return op
+
+    ops = {}
+    for name, w, wg in (("mma", experts, False), ("wgmma", experts_wg, True)):
+        C = cp.empty((T * top_k, N), cp.float16)
+        out3 = cp.empty((T, top_k, N), cp.float16)
+        ops[f"grouped {name}"] = forced(
+            lambda w=w, C=C: kbit_grouped_gemm(A_sorted, w, offsets, out=C, validate=False), wg)
+        ops[f"moe_linear {name}"] = forced(
+            lambda w=w, out3=out3: moe_linear(x, ids, w, out=out3, validate=False), wg)
+    for name, op in ops.items():
+        outs[name] = op().astype(cp.float32).reshape(T * top_k, N)
+    for kind in ("grouped", "moe_linear"):
+        a, b = outs[f"{kind} mma"], outs[f"{kind} wgmma"]
+        err = float(cp.linalg.norm(a - b) / cp.linalg.norm(a))
+        print(f"T={T:<4} {kind}: wgmma against mma, relative error {err:.2e}", flush=True)
+    _time_and_print(T, ops)
 
 
 def _probe(T, E, top_k, K_dim, N, experts, rng):
@@ -50,17 +121,9 @@ def _probe(T, E, top_k, K_dim, N, experts, rng):
 
     from kbit_cupy import experts as ex
     from kbit_cupy import kbit_grouped_gemm, moe_linear
-    from kbit_cupy.bench import harness
 
     R = T * top_k
-    ids = cp.asarray(np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)])
-                     .astype(np.int32))
-    x = cp.asarray(rng.standard_normal((T, K_dim)).astype(np.float16))
-    flat = cp.asnumpy(ids).reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    counts = np.bincount(flat, minlength=E)
-    offsets = cp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-    A_sorted = cp.asarray(cp.asnumpy(x)[order // top_k])
+    ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
     C = cp.empty((R, N), cp.float16)
     ident = cp.arange(R, dtype=cp.int32)
     A_rows = cp.ascontiguousarray(A_sorted)  # R rows: gather through the identity
@@ -76,12 +139,7 @@ def _probe(T, E, top_k, K_dim, N, experts, rng):
     for op in ops.values():
         op()
     cp.cuda.Device().synchronize()
-    base = None
-    for name, op in ops.items():
-        st = harness.time_graph(op, reps=20)
-        t = st["median_us"] if st else float("nan")
-        base = base or t
-        print(f"T={T:<4} {name:<11} {t:8.2f} us  {t / base:5.3f}x grouped", flush=True)
+    _time_and_print(T, ops)
 
 
 if __name__ == "__main__":

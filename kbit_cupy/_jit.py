@@ -108,6 +108,9 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
                     for m_tiles in GEMM_GROUPED_M_TILES:  # mixture-of-experts launch
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, True)))
+                    for m_tiles in GEMM_GROUPED_WG_M_TILES:  # the same on the Hopper path
+                        wgs = gemm_grouped_wg_warpgroups(m_tiles, k)
+                        out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs, True)))
                     for m_tiles in GEMM_LATENCY_M_TILES:
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles)))
     out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
@@ -117,6 +120,7 @@ def all_variants() -> list[Variant]:
 MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_route.cu)
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
+GEMM_GROUPED_WG_M_TILES = (4, 8)  # the same, grouped launch on the Hopper path (sm_90a)
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)
@@ -172,6 +176,13 @@ def gemm_wg_warpgroups(m_tiles: int, k: int) -> int:
     if m_tiles > 16:  # 96 or 128 accumulators per thread
         return 2
     return 3 if m_tiles == 16 or (k == 5 and m_tiles == 8) else 4
+
+
+def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
+    """Warpgroups per CTA of the grouped launch on the Hopper path: as
+    gemm_wg_warpgroups, but three at 8 n8 tiles (four spill 8-148 bytes
+    there: the grouped launch's problem tables and row lookups)."""
+    return 3 if m_tiles >= 8 else gemm_wg_warpgroups(m_tiles, k)
 
 
 def needs_sm90a(family: str, args: tuple) -> bool:

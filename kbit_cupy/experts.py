@@ -35,6 +35,7 @@ from .gemm import (
     _workspace,
     check_activation_dtype,
     check_same_place,
+    has_wgmma,
     launch_ctas_per_sm,
     repack_for_gemm,
 )
@@ -302,19 +303,20 @@ def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate
     return C
 
 
-def grouped_m_tiles(rows: int, experts: int) -> int:
-    """n8 tiles per problem, from the rows an expert gets if ``rows`` spread evenly.
+def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_M_TILES) -> int:
+    """n8 tiles per problem (one of ``choices``), from the rows an expert gets
+    if ``rows`` spread evenly.
 
     Routed rows are uneven (binomial around the mean), and an expert with
     more rows than a problem holds is split into problems that each read its
-    weights again, so a problem holds 1.5x the mean plus two rows, up to 32
-    rows: 64-row problems (8 n8 tiles, 168-178 registers) measured slower on
-    the H100 than splitting the larger experts (128 experts of [1536, 2048],
-    4096 rows: 293 us against 243 us).
+    weights again, so a problem holds 1.5x the mean plus two rows, up to the
+    largest choice. mma.sync: up to 32 rows: 64-row problems (8 n8 tiles,
+    168-178 registers) measured slower on the H100 than splitting the larger
+    experts (128 experts of [1536, 2048], 4096 rows: 293 us against 243 us).
     """
     per_expert = rows / max(1, min(experts, rows))
     want = math.ceil(1.5 * per_expert + 2)
-    return next((t for t in _jit.GEMM_GROUPED_M_TILES if 8 * t >= want), _jit.GEMM_GROUPED_M_TILES[-1])
+    return next((t for t in choices if 8 * t >= want), choices[-1])
 
 
 def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_row: int = 1,
@@ -414,31 +416,54 @@ def _fast_launch(experts: KbitExperts, A, rows: int, routed: bool, ids_per_row: 
     return C
 
 
+def _grouped_wgmma(T: int, E: int) -> bool:
+    """Whether the grouped launch of ``T`` rows over ``E`` experts runs on the
+    Hopper path (sm_90 GPUs): where problems hold many rows (an even spread
+    of more than _GROUPED_WG_MIN_ROWS rows per expert), whose multiplies
+    wgmma runs faster than mma.sync. ``_GROUPED_WG`` overrides (A/B runs)."""
+    if _GROUPED_WG is not None:
+        return _GROUPED_WG and has_wgmma()
+    return T / max(1, min(E, T)) > _GROUPED_WG_MIN_ROWS and has_wgmma()
+
+
+_GROUPED_WG = None  # True / False: force the grouped launch's path (for A/B runs)
+_GROUPED_WG_MIN_ROWS = 16
+
+
 def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_row: int,
                     stream: int):
     """The grouped launch's Launch for ``T`` rows of C (pointers set per call)."""
     E, N, K_dim = experts.shape
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
-    m_tiles = grouped_m_tiles(T, E)
+    wg = _grouped_wgmma(T, E)
+    if wg:  # problems of 32 or 64 rows: wgmma's N
+        want = grouped_m_tiles(T, E, _jit.GEMM_GROUPED_WG_M_TILES)
+        m_tiles, wgs = want, _jit.gemm_grouped_wg_warpgroups(want, experts.k)
+    else:
+        m_tiles, wgs = grouped_m_tiles(T, E), 0
+    warps = 4 * wgs if wg else _WARPS
+    threads = 32 * warps
     rows_per_problem = 8 * m_tiles
     # gemm_mma.cu, "Grouped launch": the problem count is found on the device;
     # this bounds it (each expert with rows: one problem, plus one per full
     # rows_per_problem; offsets that fall could exceed it and are cut there by
     # the kernel) for the counters and the 32-bit unit index.
     max_problems = min(E, T) + T // rows_per_problem
-    groups = math.ceil(rt_n / _WARPS)
+    groups = math.ceil(rt_n / warps)
     # 32-bit unit, tile and counter indices; the kernel's saturating scan sums
     # up to one bound per thread
     if (max(groups * kt_n, rt_n) * max_problems >= 2**31 or E * rt_n * kt_n >= 2**31
-            or max_problems * _WARPS * 32 >= 2**31):
+            or max_problems * threads >= 2**31):
         raise ValueError(f"too much work for one grouped launch ({E} experts of [{N}, {K_dim}], "
                          f"{T} rows); split the rows into several calls")
     kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
-                           m_tiles, 1, 0, True)
+                           m_tiles, 1, wgs, True)
     stage = m_tiles * 8 * K_PER_TILE * dtype.itemsize
-    # two activation stages, then the problem tables (and the routed ids and order)
-    shared = 2 * stage + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
+    # the activation stages (wgmma: three, aligned at run time to 1 KB), then
+    # the problem tables (and the routed ids and order)
+    stages = 3 * stage + 1024 if wg else 2 * stage
+    shared = stages + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
     limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     if kern.shared_size_bytes + shared > limit:
         raise ValueError(
@@ -447,11 +472,11 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
             "(separate KbitExperts) and launch each")
     # Every resident CTA: the kernel, knowing the unit count, uses all (stream-K) or
     # one per group (gemm_mma.cu, "Grouped launch").
-    ctas = _sm_count() * launch_ctas_per_sm(kern, _WARPS * 32, shared)
-    workspace = _workspace(2 * ctas * _WARPS * m_tiles * 32 * 4, stream)
+    ctas = _sm_count() * launch_ctas_per_sm(kern, threads, shared)
+    workspace = _workspace(2 * ctas * warps * m_tiles * 32 * 4, stream)
     counters = _counters(max_problems * rt_n, stream)
     return _launch.Launch(
-        kern, (ctas, 1), (_WARPS * 32,), shared, _GEMM_ARG_TYPES,
+        kern, (ctas, 1), (threads,), shared, _GEMM_ARG_TYPES,
         (tiles, scales, experts.codebook, 0, 0, T, N, K_dim, rt_n, kt_n, kt_n, _sm_count(),
          max_problems, workspace, counters, 0, E, 0, ids_per_row, 0, 0))
 

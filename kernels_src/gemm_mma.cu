@@ -59,7 +59,8 @@
 // engine into a ring of stages and hands them over through named barriers,
 // and setmaxnreg moves the producer warpgroup's registers to the consumers.
 //
-// Grouped launch (template argument GROUPED, mma.sync only): one launch
+// Grouped launch (template argument GROUPED; mma.sync, or the Hopper path
+// without slab staging for problems of many rows): one launch
 // multiplies many experts of one shape, each by its own rows of A
 // (mixture-of-experts). Rows group_offsets[e] .. group_offsets[e+1] - 1 of A
 // (and of C) belong to expert e, whose tiles follow expert e - 1's. Each
@@ -138,7 +139,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     const int* __restrict__ group_offsets, int experts, const int* __restrict__ row_ids,
     int ids_per_row, const int* __restrict__ route_ids, const void* __restrict__ a_map) {
   static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
-  static_assert(!GROUPED || (!WG && RPW == 1), "grouped: mma.sync, one row tile per warp");
+  static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
+                "grouped: one row tile per warp, no slab staging");
   grid_dependency_sync();
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
@@ -182,7 +184,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kLag = kStages - 2;
   constexpr int kChunksPerRow = kSlab ? 8 : 32;  // 16-byte chunks of a staged row
   constexpr int kStageChunks = 8 * M_TILES * kChunksPerRow;
-  int* tile_cum = reinterpret_cast<int*>(x_stage + kStages * kStageChunks);  // [experts + 1]
+  // WG: the stages start at x_align (below), so the tables follow them there
+  // (gemm.py's 1 KB of alignment slack covers the shift).
+  const int x_align =
+      WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
+  int* tile_cum = reinterpret_cast<int*>(x_stage + x_align + kStages * kStageChunks);  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
   // route_ids: the ids (M) and the sorted order (M) follow
   int* route_id = row_start + experts + 1;
@@ -373,8 +379,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // swizzle layout (K-major): four 64-column slabs of 8 * M_TILES rows of 128
   // bytes, chunk c of row r at c ^ (r & 7), each slab 1024-byte aligned (the
   // dynamic buffer is aligned at run time; gemm.py adds 1 KB).
-  const int x_align =
-      WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
   // WG: three stages (kStages above), so refilling the stage of tile i - 2
   // needs no wait for the tensor cores at the end of every tile (see tile()).
   auto x_chunk = [&](int row, int c) {  // chunk c (16 bytes) of staged row `row`
@@ -397,15 +401,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // row_ids each lookup is a dependent load (and a division) ahead of the
   // tile's copies, which measured 16-25% of the grouped launch's time at
   // 1024-4096 rows on the H100 (moe_linear against kbit_grouped_gemm).
-  constexpr int kRowsPerThread = GROUPED ? 8 * M_TILES / (kThreads / 32) : 1;
+  constexpr int kRowsPerThread = GROUPED ? (8 * M_TILES + kThreads / 32 - 1) / (kThreads / 32) : 1;
   int src_row[kRowsPerThread];
   int src_key0 = -1, src_key1 = -1;
   auto load_x = [&](int kt_l, int buf, int from_row0, int from_rows) {
     if constexpr (GROUPED) {
       // All 8 * M_TILES staged rows; row r of the problem is row
       // a_row(from_row0 + r) of A, those past from_rows zero-filled.
-      // Thread t copies chunk t % 32 of rows t / 32, t / 32 + 4, ...
-      static_assert(8 * M_TILES % (kThreads / 32) == 0, "rows per thread");
+      // Thread t copies chunk t % 32 of rows t / 32, t / 32 + kThreads / 32, ...
       if (from_row0 != src_key0 || from_rows != src_key1) {
         src_key0 = from_row0;
         src_key1 = from_rows;
@@ -423,6 +426,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int row = (threadIdx.x >> 5) + i * (kThreads / 32);
+        if (8 * M_TILES % (kThreads / 32) != 0 && row >= 8 * M_TILES) break;  // (warp-uniform)
         const bool valid = col_ok && src_row[i] >= 0;
         const T* src = valid ? A + (long long)src_row[i] * K_dim + col : A;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
@@ -720,7 +724,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       __syncthreads();
       if (has_next) {
         if constexpr (GROUPED) {
-          load_x(next_kt, buf ^ 1, in_seg ? cur.row0 : nxt.row0, in_seg ? cur.rows : nxt.rows);
+          load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, in_seg ? cur.row0 : nxt.row0,
+                 in_seg ? cur.rows : nxt.rows);
         } else {
           load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, 0, M);
         }

@@ -163,19 +163,20 @@ def _device_case(E, N, K_dim, T, top_k, k, dtype, seed=0, ids=None, absmax_forma
     return ex, x, np.asarray(ids)
 
 
+_MOE_CASES = [
+    (8, 48, 64, 1, 2),        # T = 1
+    (16, 100, 96, 33, 4),     # N not a multiple of 16
+    (1, 64, 32, 17, 1),       # E = 1, K_dim = 32
+    (64, 128, 256, 65, 8),    # many experts, a few rows each
+    (4, 96, 512, 300, 2),     # 150 rows per expert: several problems
+    (16, 300, 288, 130, 8),   # 65 rows per expert, 19 row tiles (one group and part of the next)
+]
+
+
 @gpu_test
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
-@pytest.mark.parametrize(
-    "E, N, K_dim, T, top_k",
-    [
-        (8, 48, 64, 1, 2),        # T = 1
-        (16, 100, 96, 33, 4),     # N not a multiple of 16
-        (1, 64, 32, 17, 1),       # E = 1, K_dim = 32
-        (64, 128, 256, 65, 8),    # many experts, a few rows each
-        (4, 96, 512, 300, 2),     # many rows per expert: 4 n8 tiles per problem, several problems
-    ],
-)
+@pytest.mark.parametrize("E, N, K_dim, T, top_k", _MOE_CASES)
 def test_gpu_moe_linear_within_format_bounds_and_every_element_written(E, N, K_dim, T, top_k, k, dtype):
     import cupy as cp
 
@@ -187,6 +188,39 @@ def test_gpu_moe_linear_within_format_bounds_and_every_element_written(E, N, K_d
     assert rel_error(got, reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)]
     again = moe_linear(cp.asarray(x), cp.asarray(ids), ex)
     assert np.array_equal(cp.asnumpy(again).view(np.uint16), got.view(np.uint16))  # same bits
+
+
+@gpu_test
+@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("E, N, K_dim, T, top_k", _MOE_CASES)
+def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, monkeypatch):
+    """The grouped launch forced onto mma.sync or the Hopper path (sm_90):
+    within the format's bounds, every element written, the same bits again,
+    through moe_linear's routing launch and through kbit_grouped_gemm."""
+    import cupy as cp
+
+    from kbit_cupy import experts as experts_module
+    from kbit_cupy.gemm import has_wgmma
+
+    if wg and not has_wgmma():
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    monkeypatch.setattr(experts_module, "_GROUPED_WG", wg)
+    monkeypatch.setattr(experts_module, "_FUSED_ROUTE_MAX_PAIRS", 0)  # the routing launch
+    ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k + 10)
+    out = cp.full((T, top_k, N), np.nan, dtype=dtype)
+    got = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex, out=out))
+    assert not np.isnan(got.astype(np.float32)).any()
+    assert rel_error(got, reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)]
+    again = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
+    assert np.array_equal(again.view(np.uint16), got.view(np.uint16))
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.int32)
+    rows = x[order // top_k]
+    C = cp.asnumpy(kbit_grouped_gemm(cp.asarray(rows), ex, cp.asarray(offsets)))
+    assert np.array_equal(C.view(np.uint16), got.reshape(-1, N)[order].view(np.uint16))
 
 
 @gpu_test
