@@ -1,7 +1,7 @@
 """The mixture-of-experts kernels over a spread of cases, for compute-sanitizer.
 
-usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_moe.py
-       compute-sanitizer --tool racecheck python benchmarks/sanitize_moe.py --quick
+usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_moe.py [--wgmma]
+       compute-sanitizer --tool racecheck python benchmarks/sanitize_moe.py --quick [--wgmma]
 Runs kernels_src/moe_route.cu and the grouped launch of gemm_mma.cu (with
 and without row indirection) on: every k, both scale formats and activation
 dtypes, E = 1 .. 512, T = 1 .. 300, top_k 1 .. 10, experts without rows, one
@@ -21,7 +21,13 @@ from kbit_cupy._arrays import BFLOAT16
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="fewer cases (racecheck is slow)")
+parser.add_argument("--wgmma", action="store_true",
+                    help="the grouped launch forced onto the Hopper path (sm_90)")
 args = parser.parse_args()
+if args.wgmma:
+    from kbit_cupy import experts as _experts
+
+    _experts._GROUPED_WG = True
 
 rng = np.random.default_rng(0)
 # (E, N, K_dim, T, top_k)
