@@ -427,7 +427,7 @@ def _grouped_wgmma(T: int, E: int) -> bool:
 
 
 _GROUPED_WG = None  # True / False: force the grouped launch's path (for A/B runs)
-_GROUPED_WG_MIN_ROWS = 16
+_GROUPED_WG_MIN_ROWS = 8
 
 
 def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_row: int,
