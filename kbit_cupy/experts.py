@@ -25,6 +25,7 @@ from ._arrays import array_module, as_module_array, same_module, to_host
 from .format import BLOCK, check_codebook, check_k
 from .gemm import (
     _GEMM_ARG_TYPES,
+    _LATENCY_ARG_TYPES,
     ACT_DTYPES,
     K_PER_TILE,
     KbitWeight,
@@ -36,6 +37,7 @@ from .gemm import (
     check_activation_dtype,
     check_same_place,
     has_wgmma,
+    latency_geometry,
     launch_ctas_per_sm,
     repack_for_gemm,
 )
@@ -334,12 +336,24 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     if found is None:
         with _launch.setup_scope():  # one-time work stays out of a graph being captured
             _launch.ensure_context()  # plans are per thread: bind this thread's context
-            launch = _grouped_launch(experts, A.dtype, C.shape[0], route_ids is not None,
-                                     ids_per_row, stream)
-        found = experts._plans[key] = _GroupedRun(launch)
+            row_tiles = _tile_counts(experts.shape[1], experts.shape[2])[0]
+            if route_ids is not None and C.shape[0] * row_tiles <= _LATENCY_MOE_MAX_CTAS:
+                found = _GroupedRun(_latency_moe_launch(experts, A.dtype, C.shape[0],
+                                                        ids_per_row), _LATENCY_SLOTS)
+            else:
+                found = _GroupedRun(_grouped_launch(experts, A.dtype, C.shape[0],
+                                                    route_ids is not None, ids_per_row, stream))
+        experts._plans[key] = found
         _remember_cupy()
     found(A.data.ptr, C.data.ptr, _launch.device_pointer(offsets), _launch.device_pointer(row_ids),
           _launch.device_pointer(route_ids), stream)
+
+
+# gemm_mma.cu's arguments A, C, group_offsets, row_ids, route_ids; the same
+# of gemm_latency.cu (which takes only A, C and route_ids: its other two go
+# to a dummy)
+_GROUPED_SLOTS = (3, 4, 15, 17, 19)
+_LATENCY_SLOTS = (3, 4, None, None, 9)
 
 
 class _GroupedRun:
@@ -347,11 +361,13 @@ class _GroupedRun:
 
     __slots__ = ("_launch", "argv", "pdl", "prefix", "values")
 
-    def __init__(self, launch):
+    def __init__(self, launch, slots: tuple = _GROUPED_SLOTS):
+        import ctypes
+
         self.prefix, self.argv = launch.prefix, launch.argv
-        self.values = [launch.value(i) for i in (3, 4, 15, 17, 19)]
+        self.values = [launch.value(i) if i is not None else ctypes.c_void_p(0) for i in slots]
         self._launch = launch  # keeps the argument block (and the arrays it names) alive
-        # gemm_mma.cu begins with grid_dependency_sync: programmatic launch on sm_90
+        # both kernels begin with grid_dependency_sync: programmatic launch on sm_90
         self.pdl = _launch.PdlLaunch(launch) if _launch.pdl_supported() else None
 
     def __call__(self, a: int, c: int, offsets: int, row_ids: int, route_ids: int,
@@ -414,6 +430,33 @@ def _fast_launch(experts: KbitExperts, A, rows: int, routed: bool, ids_per_row: 
     else:
         run(a_mem.ptr, C.data.ptr, ids_ptr, 0, 0, stream.ptr)
     return C
+
+
+def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: int):
+    """gemm_latency.cu over ``pairs`` (token, expert) pairs, routed ids set per
+    call: CTA (pair, row tile) multiplies the pair's row of A by its expert's
+    row tile (no grouping, no scan: the kernel's "Mixture of experts"). For
+    few pairs, where the grouped launch's scan and stream-K reduction cost
+    more than reading an expert twice costs."""
+    E, N, K_dim = experts.shape
+    tiles, scales = experts.prepare()._tiles
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    if pairs * rt_n >= 2**31:
+        raise ValueError(f"too many pairs ({pairs}) for one launch; split the tokens")
+    kern = _jit.get_kernel("gemm_latency", experts.k, dtype.name, experts.absmax.dtype.name, 1)
+    warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n)
+    return _launch.Launch(kern, (pairs * rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
+                          (tiles, scales, experts.codebook, 0, 0, pairs, N, K_dim, kt_n, 0,
+                           ids_per_row, E))
+
+
+# moe_linear takes the latency kernel up to this many CTAs (pairs x row tiles of
+# an expert). H100, k=4 fp16, kernel-only (benchmarks/moe_latency_ab.py): 128
+# experts of [1536, 2048] top-8 at T=1 (768 CTAs) 15.8 -> 13.7 us, T=2 (1536)
+# 20.2 -> 21.8 us; of [2048, 768] at T=1 (1024) 10.2 -> 9.9 us, T=2 12.4 ->
+# 13.8 us; 512 of [512, 2048] top-10 at T=1..3 (320..960) 12.2 -> 8.5,
+# 15.2 -> 11.8, 17.6 -> 15.5 us.
+_LATENCY_MOE_MAX_CTAS = 1024
 
 
 def _grouped_wgmma(T: int, E: int) -> bool:
@@ -554,8 +597,10 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
         unwritten; nothing outside the arrays is touched.
 
     Returns ``out[t, j] = x[t] @ dequant(W[topk_ids[t, j]]).T``. On the GPU
-    with ``validate=False`` there is no host round trip: up to 256 pairs
-    (``T * top_k``) one launch, in which every CTA of the ``kbit_grouped_gemm``
+    with ``validate=False`` there is no host round trip: the fewest pairs
+    (``T * top_k`` times the row tiles of an expert up to 1024) one launch
+    of the latency kernel, one CTA per (pair, row tile), no grouping; up to
+    256 pairs one launch, in which every CTA of the ``kbit_grouped_gemm``
     kernel groups the pairs by expert itself; beyond that two launches, one
     grouping them (``kernels_src/moe_route.cu``, a stable counting sort) and
     the grouped one; ids wider than int32 add one conversion launch. Either

@@ -856,34 +856,44 @@ def _latency_rows(K_dim: int, itemsize: int) -> int:
     return max(1, min(8 * max(_jit.GEMM_LATENCY_M_TILES), _LATENCY_STAGE_BYTES // (k_pad * itemsize)))
 
 
+def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
+                     ctas: int) -> tuple[int, int]:
+    """(warps per CTA, dynamic shared bytes) of a gemm_latency.cu launch of
+    ``ctas`` CTAs staging ``rows`` rows of ``k_tiles`` K tiles: one warp per K
+    tile up to GEMM_LATENCY_MAX_WARPS, halved (each warp then takes two or
+    more K tiles) while the CTAs would not all be resident at once: one wave,
+    whose loads are all issued at the start. ValueError where the rows do not
+    fit the shared memory."""
+    stage = rows * k_tiles * K_PER_TILE * itemsize
+    warps = min(_jit.GEMM_LATENCY_MAX_WARPS, k_tiles)
+    while True:
+        shared = stage + warps * m_tiles * 32 * 16  # + the warps' partial tiles, fp32
+        per_sm = launch_ctas_per_sm(kern, 32 * warps, shared)
+        if warps <= 4 or per_sm * _sm_count() >= ctas:
+            break
+        warps = (warps + 1) // 2
+    if per_sm < 1:
+        raise ValueError(f"{rows} rows of A of {k_tiles * K_PER_TILE} columns do not fit the "
+                         "latency kernel's shared memory; use kernel='mma'")
+    return warps, shared
+
+
 def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     """Launch of gemm_latency.cu for ``M`` (<= _latency_rows) rows of A: one
-    CTA per 16-row tile of W, its warps splitting the K tiles. Warps per CTA:
-    one per K tile up to GEMM_LATENCY_MAX_WARPS, halved (each warp then
-    takes two or more K tiles) while the CTAs would not all be resident at
-    once: one wave, whose loads are all issued at the start. A and C are set
-    per call."""
+    CTA per 16-row tile of W, its warps splitting the K tiles
+    (latency_geometry). A and C are set per call."""
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
     kern = _jit.get_kernel("gemm_latency", weight.k, dtype.name, weight.absmax.dtype.name, m_tiles)
-    stage = M * kt_n * K_PER_TILE * dtype.itemsize
-    warps = min(_jit.GEMM_LATENCY_MAX_WARPS, kt_n)
-    while True:
-        shared = stage + warps * m_tiles * 32 * 16  # + the warps' partial tiles, fp32
-        per_sm = launch_ctas_per_sm(kern, 32 * warps, shared)
-        if warps <= 4 or per_sm * _sm_count() >= rt_n:
-            break
-        warps = (warps + 1) // 2
-    if per_sm < 1:
-        raise ValueError(f"A's rows of {K_dim} columns do not fit the latency kernel's shared "
-                         "memory; use kernel='mma'")
+    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, rt_n)
     return _launch.Launch(kern, (rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
-                          (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n))
+                          (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0))
 
 
-_LATENCY_ARG_TYPES = (_launch.POINTER,) * 5 + (_launch.INT32,) * 4
+_LATENCY_ARG_TYPES = ((_launch.POINTER,) * 5 + (_launch.INT32,) * 4 + (_launch.POINTER,)
+                      + (_launch.INT32,) * 2)
 
 
 _map_cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()

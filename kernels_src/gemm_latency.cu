@@ -15,6 +15,13 @@
 // bits on every call. The order of the K sum differs from gemm_mma.cu's, so
 // the two kernels agree to fp32 rounding (FORMAT.md section 7), not in bits.
 //
+// Mixture of experts (route_ids non-null, M_TILES = 1; experts.py, few
+// (token, expert) pairs): M is the pair count, W the experts' tiles one
+// after another, and CTA (pair p, row tile rt) multiplies row p / ids_per_row
+// of A by expert route_ids[p]'s row tile rt into row p of C: no grouping,
+// no scan, one dependent load before the weight loads. Pairs with an id
+// outside [0, experts) write nothing.
+//
 // Layout of the staged activations: row r holds 32 chunks of 16 bytes per K
 // tile (columns past K_dim zero-filled), chunk c at r * stride + (c ^ (r & 7))
 // (the 8 row addresses of one ldmatrix phase hit distinct banks). Rows past M
@@ -41,13 +48,25 @@ template <int K, typename T, typename TScale, int M_TILES>
 __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C, int M,
-    int N, int K_dim, int k_tiles) {
+    int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
+    int experts) {
   grid_dependency_sync();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2;
-  const int rt = blockIdx.x;
-  const int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
+  int rt = blockIdx.x;
+  int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
+  long long tile0 = 0;             // the first tile of W (of the pair's expert)
+  if (route_ids) {
+    const int row_tiles = (N + 15) >> 4, pair = (int)blockIdx.x / row_tiles;
+    rt = (int)blockIdx.x - pair * row_tiles;
+    const int e = __ldg(route_ids + pair);
+    if (e < 0 || e >= experts) return;  // (the whole CTA, before any barrier)
+    tile0 = (long long)e * row_tiles * k_tiles;
+    A += (long long)(pair / ids_per_row) * K_dim;
+    C += (long long)pair * N;
+    rows = 1;
+  }
   const int stride = k_tiles * 32;       // chunks per staged row
 
   // This warp's first tile first: its loads are in flight during the staging.
@@ -55,7 +74,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   unsigned w_s[2][4 * K];
   RawScale raw_s[2];
   auto load_tile = [&](int kt, unsigned (&w)[4 * K], RawScale& raw) {
-    const long long tile = (long long)rt * k_tiles + kt;
+    const long long tile = tile0 + (long long)rt * k_tiles + kt;
 #pragma unroll
     for (int q = 0; q < K; ++q) {
       const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
@@ -206,7 +225,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     for (int c = 0; c < 4; ++c) {
       const int n = rt * 16 + (l >> 2) + 8 * (c >> 1);
       const int m = mt * 8 + 2 * (l & 3) + (c & 1);
-      if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, v[c]);
+      if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, v[c]);
     }
   }
 }
