@@ -24,6 +24,9 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--shape", default="2048x1536", help="K_dimxN")
+    p.add_argument("--wg-m-tiles", type=int, nargs="+", default=None,
+                   help="the grouped Hopper path's n8 tiles per problem to choose from "
+                        "(default: _jit.GEMM_GROUPED_WG_M_TILES)")
     p.add_argument("--wg-ab", action="store_true",
                    help="instead: kbit_grouped_gemm and moe_linear with the grouped launch "
                         "forced onto mma.sync and onto the Hopper path (wgmma)")
@@ -34,6 +37,10 @@ def main() -> int:
     from kbit_cupy import quantize_experts
     from kbit_cupy.bench import harness
 
+    if args.wg_m_tiles:
+        from kbit_cupy import _jit
+
+        _jit.GEMM_GROUPED_WG_M_TILES = tuple(args.wg_m_tiles)
     K_dim, N = (int(v) for v in args.shape.split("x"))
     E, top_k = args.experts, args.top_k
     rng = np.random.default_rng(0)

@@ -305,19 +305,26 @@ def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate
     return C
 
 
-def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_M_TILES) -> int:
+def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_M_TILES,
+                    spread: float = 1.5) -> int:
     """n8 tiles per problem (one of ``choices``), from the rows an expert gets
     if ``rows`` spread evenly.
 
     Routed rows are uneven (binomial around the mean), and an expert with
     more rows than a problem holds is split into problems that each read its
-    weights again, so a problem holds 1.5x the mean plus two rows, up to the
-    largest choice. mma.sync: up to 32 rows: 64-row problems (8 n8 tiles,
-    168-178 registers) measured slower on the H100 than splitting the larger
-    experts (128 experts of [1536, 2048], 4096 rows: 293 us against 243 us).
+    weights again, so a problem holds ``spread`` times the mean plus two rows,
+    up to the largest choice. mma.sync (spread 1.5): up to 32 rows: 64-row
+    problems (8 n8 tiles, 168-178 registers) measured slower on the H100 than
+    splitting the larger experts (128 experts of [1536, 2048], 4096 rows: 293
+    us against 243 us). The Hopper path takes spread 1.0: its 64-row problems
+    (three warpgroups) cost more per row than splitting an expert into 32-row
+    ones, up to about 32 rows per expert (H100, 128 experts top-8, k=4: 24
+    rows per expert 134.5 against 162.1 us on [1536, 2048], 75.5 against
+    103.9 us on [2048, 768]; 32 rows: 177.0 against 165.4, 105.6 against
+    106.0; 64 rows: 295.8 against 253.2, 171.2 against 157.8).
     """
     per_expert = rows / max(1, min(experts, rows))
-    want = math.ceil(1.5 * per_expert + 2)
+    want = math.ceil(spread * per_expert + 2)
     return next((t for t in choices if 8 * t >= want), choices[-1])
 
 
@@ -481,7 +488,7 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     rt_n, kt_n = _tile_counts(N, K_dim)
     wg = _grouped_wgmma(T, E)
     if wg:  # problems of 32 or 64 rows: wgmma's N
-        want = grouped_m_tiles(T, E, _jit.GEMM_GROUPED_WG_M_TILES)
+        want = grouped_m_tiles(T, E, _jit.GEMM_GROUPED_WG_M_TILES, spread=1.0)
         m_tiles, wgs = want, _jit.gemm_grouped_wg_warpgroups(want, experts.k)
     else:
         m_tiles, wgs = grouped_m_tiles(T, E), 0
