@@ -29,9 +29,9 @@
 //
 // Lookup: k = 2 and 5 as gemm_mma.cu; k = 3 through its pair table (8 KB,
 // built per CTA); k = 4 through the lane-register codebook (two shuffles and
-// a byte_perm per pair): its 32 KB pair table, built by every CTA, measured
-// about 0.5 us slower on 2048x768 at M = 1 (H100), where k = 5 with the
-// shuffle decode was as fast as k = 4 with the table.
+// a byte_perm per pair): its 32 KB pair table, built by every CTA, was no
+// faster with 8-warp CTAs on 2048x768 at M = 1 (H100: 3.92 against 3.99 us)
+// and much slower with small CTAs, so the shuffles keep the shared memory.
 //
 // Tried and not kept (H100): a cluster of 2..8 CTAs per row tile splitting
 // its K tiles, partial sums added through distributed shared memory, so that
@@ -42,7 +42,7 @@
 
 namespace kbit {
 
-constexpr int kLatencyMaxWarps = 16;  // gemm.py mirrors it (LATENCY_MAX_WARPS)
+constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WARPS)
 
 template <int K, typename T, typename TScale, int M_TILES>
 __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
