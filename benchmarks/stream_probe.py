@@ -16,15 +16,21 @@ against
   filled by one lane with `cp.async.bulk` (the copy engine, completion on an
   mbarrier), read back with 16-byte LDS;
 - `flat`: a grid-stride read of the whole buffer (16-byte loads, 4 per
-  thread in flight): the read ceiling.
+  thread in flight).
 Each kernel XORs what it reads into one word per thread (so nothing is
-optimised away). Then `flat` reads exactly the kbit bytes of one layer (E4M4
-scales) at k = 2..5, next to cuBLAS fp16 at M=1 on that layer: the best
+optimised away). Then the read ceiling of one layer: exactly its kbit bytes
+(E4M4 scales) at k = 2..5, read by `flat_hint` over a grid of (CTAs per SM,
+threads, 4 or 8 loads in flight per thread) with and without an L2
+evict_first policy on the loads (after the TARGETS.md overwrite L2 is full of
+dirty lines; a read that evicts them pays their write-back: 4096x28672's k=4
+bytes 32.3 us plain, 28.0 us evict_first on the H100, `l2_hint_probe.py`),
+the best of all printed next to cuBLAS fp16 at M=1 on that layer: the best
 ratio any kernel that reads those bytes once could show. TARGETS.md method
 (cold L2, events, median), one process.
 """
 
 import argparse
+import itertools
 
 import cupy as cp
 
@@ -117,7 +123,39 @@ extern "C" __global__ void flat(const uint4* __restrict__ buf, long long n, unsi
   for (; i < n; i += stride) x ^= __ldg(buf + i).x;
   out[blockIdx.x * blockDim.x + threadIdx.x] = x;
 }
+
+// flat with UNROLL loads in flight per thread; HINT 1: an L2 evict_first
+// policy on the loads, 2: that and no L1 allocation (l2_hint_probe.py).
+template <int UNROLL, int HINT>
+__global__ void flat_hint(const uint4* __restrict__ buf, long long n, unsigned* __restrict__ out) {
+  unsigned long long policy = 0;
+  if (HINT) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  unsigned x = 0;
+  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
+    uint4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const uint4* p = buf + i + u * stride;
+      if (HINT == 1) {
+        asm("ld.global.nc.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+            : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p), "l"(policy));
+      } else if (HINT == 2) {
+        asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+            : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p), "l"(policy));
+      } else {
+        v[u] = __ldg(p);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) x ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) x ^= __ldg(buf + i).x;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
 """
+READ_GRIDS = ((1, 1024), (2, 1024), (4, 512), (4, 256), (8, 256), (8, 128), (16, 128))  # (CTAs/SM, threads)
 
 
 def main() -> None:
@@ -128,8 +166,10 @@ def main() -> None:
     ap.add_argument("--layer", default="8192x57344", help="K_dim x N whose kbit bytes to read")
     ap.add_argument("--kbit", action="store_true", help="also time kbit_gemm (auto) at M=1 there")
     args = ap.parse_args()
-    mod = cp.RawModule(code=SRC, options=("-std=c++17",))
+    hinted = [f"flat_hint<{u}, {h}>" for u in (4, 8) for h in (0, 1)]
+    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=hinted)
     k_regs, k_bulk, k_flat = (mod.get_function(n) for n in ("regs", "bulk", "flat"))
+    k_hint = {n: mod.get_function(n) for n in hinted}
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     chunk_words = args.chunk // 16
     ops = {}
@@ -173,18 +213,16 @@ def main() -> None:
     )
     # The read ceiling for a layer's kbit bytes at each k, against cuBLAS fp16 at M=1.
     K_dim, N = (int(v) for v in args.layer.split("x"))
+    read_sets = {}  # k -> names of its read configurations
     for k in (2, 3, 4, 5):
         words = int(N * K_dim * (k / 8 + 1 / 32)) // 16
         if words > total_words:
             continue
-        configs[f"flat {args.layer} k={k} bytes"] = (
-            k_flat,
-            (sms * 8,),
-            (256,),
-            (bufp, cp.int64(words), outs),
-            0,
-            words * 16,
-        )
+        for (cps, threads), name in itertools.product(READ_GRIDS, hinted):
+            cfg = f"read {args.layer} k={k} {name} {cps}x{threads}"
+            read_sets.setdefault(k, []).append(cfg)
+            configs[cfg] = (k_hint[name], (sms * cps,), (threads,), (bufp, cp.int64(words), outs),
+                            0, words * 16)
     for name, (k, grid, block, kargs, smem, nbytes) in configs.items():
         ops[name] = lambda k=k, grid=grid, block=block, kargs=kargs, smem=smem: k(
             grid, block, kargs, shared_mem=smem
@@ -210,8 +248,13 @@ def main() -> None:
         f"{dev}, {args.mbytes} MB, chunk {args.chunk} B; cuBLAS fp16 {args.layer} M=1: "
         f"{t_cublas:.1f} us"
     )
+    best = {k: min(names, key=lambda n: res[n]["median_us"]) for k, names in read_sets.items()}
+    for k, name in best.items():  # the ceiling: the fastest read of the layer's bytes
+        nbytes, t = configs[name][5], res[name]["median_us"]
+        print(f"{'best read ' + args.layer + f' k={k}':32s} {t:8.1f} us  {nbytes / t / 1e6:5.2f} TB/s  "
+              f"cuBLAS/this {t_cublas / t:5.2f}x  ({name.split(' ', 3)[3]})")
     for name, r in res.items():
-        if name == "cublas":
+        if name == "cublas" or name.startswith("read "):
             continue
         nbytes = configs[name][5]
         print(

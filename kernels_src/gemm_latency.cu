@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
     int experts) {
   grid_dependency_sync();
+  const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2;
@@ -77,13 +78,13 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     const long long tile = tile0 + (long long)rt * k_tiles + kt;
 #pragma unroll
     for (int q = 0; q < K; ++q) {
-      const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
+      const uint4 v = ldg_weight(tiles + (tile * K + q) * 32 + lane, l2_policy);
       w[4 * q] = v.x;
       w[4 * q + 1] = v.y;
       w[4 * q + 2] = v.z;
       w[4 * q + 3] = v.w;
     }
-    raw = __ldg(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane);
+    raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
   if (warp < k_tiles) load_tile(warp, w_s[0], raw_s[0]);
 

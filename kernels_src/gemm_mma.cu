@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
   grid_dependency_sync();
+  const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2, t = lane & 3;
@@ -361,13 +362,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const long long tile = idx[r];
 #pragma unroll
       for (int q = 0; q < K; ++q) {
-        const uint4 v = __ldg(tiles + (tile * K + q) * 32 + lane);
+        const uint4 v = ldg_weight(tiles + (tile * K + q) * 32 + lane, l2_policy);
         w_next[r][4 * q] = v.x;
         w_next[r][4 * q + 1] = v.y;
         w_next[r][4 * q + 2] = v.z;
         w_next[r][4 * q + 3] = v.w;
       }
-      raw_next[r] = __ldg(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane);
+      raw_next[r] = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
     }
   };
   // Activations: the CTA stages A[0 .. 8*M_TILES) x [256 columns of tile kt]
@@ -757,7 +758,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       if (has_next) {
 #pragma unroll
         for (int r = 0; r < RPW; ++r)
-          raw_next[r] = __ldg(reinterpret_cast<const RawScale*>(scales) + (long long)idx[r] * 32 + lane);
+          raw_next[r] = ldg_weight(reinterpret_cast<const RawScale*>(scales) + (long long)idx[r] * 32 + lane, l2_policy);
         // The next tile's index words into L2 now; each 16-byte word loads
         // into registers only after its last block here (below), 5-6 blocks
         // before its use. Measured on the H100 at 3428573 (k=4 fp16, in one
@@ -852,7 +853,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             if (j == kReloadAfter<K>(q) && has_next) {
 #pragma unroll
               for (int r = 0; r < RPW; ++r) {
-                const uint4 v = __ldg(tiles + ((long long)idx[r] * K + q) * 32 + lane);
+                const uint4 v = ldg_weight(tiles + ((long long)idx[r] * K + q) * 32 + lane, l2_policy);
                 w_next[r][4 * q] = v.x;
                 w_next[r][4 * q + 1] = v.y;
                 w_next[r][4 * q + 2] = v.z;

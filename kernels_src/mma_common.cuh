@@ -22,6 +22,59 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
+// Weight tiles and scales are read once per call: their loads carry an L2
+// evict_first policy (KBIT_WEIGHT_L2_HINT 1, the default), so a weight's lines
+// are the first to go and what else lives in L2 (activations, the lines other
+// kernels wrote and have not yet written back) stays. H100, k=4, M=1, cold L2
+// after a 256 MB overwrite (benchmarks/l2_hint_probe.py): kbit_gemm on
+// 4096x28672 41.9 -> 36.5 us, 8192x57344 112.4 -> 109.5 us, and a flat read
+// of 4096x28672's bytes 32.3 -> 28.0 us; after a read of 256 MB (L2 full of
+// clean lines) 35.7 -> 34.4 us, 104.5 -> 102.7 us, reads unchanged. 0: plain
+// __ldg (for A/B runs); 2: evict_first and no L1 allocation (no faster).
+#ifndef KBIT_WEIGHT_L2_HINT
+#define KBIT_WEIGHT_L2_HINT 1
+#endif
+__device__ __forceinline__ unsigned long long weight_l2_policy() {
+  unsigned long long policy = 0;
+#if KBIT_WEIGHT_L2_HINT
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  return policy;
+}
+#if KBIT_WEIGHT_L2_HINT == 2
+#define KBIT_LD_WEIGHT "ld.global.nc.L1::no_allocate.L2::cache_hint"
+#else
+#define KBIT_LD_WEIGHT "ld.global.nc.L2::cache_hint"
+#endif
+__device__ __forceinline__ uint4 ldg_weight(const uint4* p, unsigned long long policy) {
+#if KBIT_WEIGHT_L2_HINT
+  uint4 v;
+  asm(KBIT_LD_WEIGHT ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+  return v;
+#else
+  return __ldg(p);
+#endif
+}
+__device__ __forceinline__ unsigned ldg_weight(const unsigned* p, unsigned long long policy) {
+#if KBIT_WEIGHT_L2_HINT
+  unsigned v;
+  asm(KBIT_LD_WEIGHT ".u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(policy));
+  return v;
+#else
+  return __ldg(p);
+#endif
+}
+__device__ __forceinline__ uint2 ldg_weight(const uint2* p, unsigned long long policy) {
+#if KBIT_WEIGHT_L2_HINT
+  uint2 v;
+  asm(KBIT_LD_WEIGHT ".v2.u32 {%0, %1}, [%2], %3;" : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(policy));
+  return v;
+#else
+  return __ldg(p);
+#endif
+}
+
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
   __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {

@@ -285,6 +285,7 @@ def time_ops(
     warmup: int = 5,
     flush_bytes: int = DEFAULT_FLUSH_BYTES,
     interleave: bool = True,
+    flush_fn: Callable[[], object] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Time ops cold-L2 with the flush-then-events method (works for cuBLAS too).
 
@@ -300,6 +301,9 @@ def time_ops(
     Returns ``{name: {"median_us", "min_us", "mean_us", "p10_us", "p90_us",
     "n", "reps", "warmup", "flush_bytes", "samples_us"}}`` in the order of
     ``ops``.
+
+    ``flush_fn``, where given, replaces the overwrite (for instance a read of
+    a large buffer, which leaves L2 full of clean lines instead of dirty ones).
     """
     cp = _cupy()
     if reps < 1:
@@ -308,7 +312,7 @@ def time_ops(
     stream = _bench_stream()
     samples: dict[str, list[float]] = {n: [] for n in names}
     with stream:
-        flush = _flusher(flush_bytes)
+        flush = flush_fn or _flusher(flush_bytes)
         for _ in range(max(int(warmup), 0)):
             for name in names:
                 flush()
