@@ -25,34 +25,14 @@ import itertools
 
 import cupy as cp
 import stream_probe  # benchmarks/, the folder of this script
+from define_ab import kbit_variant
 
 import kbit_cupy as kc
-from kbit_cupy import _jit
 from kbit_cupy.bench import harness as bench
 
 SRC = stream_probe.SRC  # its flat_hint<UNROLL, HINT> kernel
 HINTS = ("none", "evict_first", "evict_first+no_L1")
 UNROLLS = (4, 8)
-
-
-def kbit_variant(W, k, hint, As):
-    """A prepared weight whose kernels are compiled with KBIT_WEIGHT_L2_HINT=hint
-    (its launch plans for each A in ``As`` are made here, with those kernels)."""
-    saved_opts, saved_cache = _jit.compile_options, dict(_jit._kernels)
-    _jit._kernels.clear()
-    _jit.compile_options = lambda: (*saved_opts(), f"-DKBIT_WEIGHT_L2_HINT={hint}")
-    try:
-        w = kc.quantize_weight(W, k=k).prepare()
-        cp.cuda.Device().synchronize()
-        with bench._bench_stream():  # plans are per stream: make them where time_ops runs
-            for A in As:
-                kc.kbit_gemm(A, w)
-        cp.cuda.Device().synchronize()
-        return w
-    finally:
-        _jit.compile_options = saved_opts
-        _jit._kernels.clear()
-        _jit._kernels.update(saved_cache)
 
 
 def main() -> None:
@@ -91,7 +71,7 @@ def main() -> None:
         rng = cp.random.default_rng(1)
         W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * 0.02).astype(cp.float16)
         As = {m: rng.standard_normal((m, K_dim), dtype=cp.float32).astype(cp.float16) for m in ms}
-        ws = {h: kbit_variant(W, 4, h, As.values()) for h in range(3)}
+        ws = {h: kbit_variant(W, 4, {"KBIT_WEIGHT_L2_HINT": h}, As.values()) for h in range(3)}
         outs = {}
         for m in ms:
             A = As[m]

@@ -634,6 +634,15 @@ def has_wgmma() -> bool:
 #   1.85x cuBLAS at M = 1 against mma's 0.8-1.1x), mid layers up to 2^24
 #   weights to M = 8 (k = 2 every mid layer), k = 2 fp16 on large layers under
 #   2^26 weights to M = 2 (14336x4096). Other GPUs: not measured, mma.
+#   Since 1bcd642 (the L2 policy on weight loads; latency_h100_1bcd642 and
+#   latency_h200_1bcd642, which agree): k = 3 fp16 on the other mid layers to
+#   M = 4 (4096x6144: latency/mma 0.94, 0.94, 0.98 at M = 1, 2, 4 on the H100;
+#   0.94, 0.95, 0.97 on the H200; 5120x5120 and 6144x4096 0.89-0.95 on the
+#   H100, latency_h100_dispatch_float16; bf16 on 5120x5120 lost at M = 1: 1.18,
+#   latency_h100_dispatch_bfloat16) and k = 2 fp16 on large layers under 2^27 weights
+#   at M = 1 (4096x28672: 0.935 H100, 0.94 H200). The H100 and the H200 pick
+#   the same kernels within 7% at every point of their runs, so the table
+#   keys on the GPU's properties (wgmma or not), not on its name.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -660,6 +669,7 @@ _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layer
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
+    DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
     DispatchRule(True, "large", 8, 1024, ks=(2, 4), fp16=False, min_weights=_HUGE),
     DispatchRule(True, "large", 8, 512, ks=(2, 4), fp16=False),
     DispatchRule(True, "large", 16, 1024, ks=(2, 3, 4), min_weights=_HUGE),
@@ -669,6 +679,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,)),
     DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
+    DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
     DispatchRule(True, "mid", 64, 256),
     DispatchRule(True, "small", 64, 64, lat_max=16),  # wgmma never wins
     # other GPUs: mma, then dequantize + cuBLAS
@@ -712,7 +723,11 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     if wgmma is None:
         wgmma = _device_has_wgmma()
     lat_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
-    if M <= lat_max:
+    # The latency kernel only in one launch: it stages whole rows of A, so
+    # long rows take fewer per launch, and two launches cost twice one (H100,
+    # 5120x5120 k=2 bf16 at M = 8, 6 rows per launch: 22.5 us against mma's
+    # 11.7; M = 4: 10.1 against 11.5).
+    if M <= lat_max and M <= _latency_rows(K_dim, 2):
         return "latency"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 

@@ -1,0 +1,102 @@
+"""A/B of kbit_gemm built with compile-time defines, in one process (device only).
+
+usage: python benchmarks/define_ab.py --define KBIT_L2_PREFETCH=1 [--define ...]
+       [--layers 4096x28672 ...] [--m 1 16] [--k 4] [--kernel auto] [--dtype float16]
+
+Each variant is the package's own kernels compiled with extra ``-D`` options
+(kernels_src read them, for instance mma_common.cuh's KBIT_WEIGHT_L2_HINT),
+with its own weight object whose launch plans are made with those kernels on
+the harness stream. Kernel-only timing (harness.time_graph: a CUDA graph of
+(256 MB overwrite, op) pairs minus the overwrites), cuBLAS fp16 through its
+capturable call in the same process; every variant's bits are compared with
+the default build's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import cupy as cp
+import numpy as np
+
+import kbit_cupy as kc
+from kbit_cupy import _jit, _launch
+from kbit_cupy._arrays import BFLOAT16
+from kbit_cupy.bench import harness as bench
+
+
+def kbit_variant(W, k: int, defines: dict, As, kernel: str = "auto"):
+    """A prepared weight whose kernels are compiled with ``-DNAME=VALUE`` for
+    each of ``defines``; its launch plans for each A in ``As`` are made here,
+    on the harness stream (plans are per stream), with those kernels."""
+    saved_opts, saved_cache = _jit.compile_options, dict(_jit._kernels)
+    _jit._kernels.clear()
+    _jit.compile_options = lambda: (*saved_opts(), *(f"-D{n}={v}" for n, v in defines.items()))
+    try:
+        w = kc.quantize_weight(W, k=k).prepare()
+        cp.cuda.Device().synchronize()
+        with bench._bench_stream():
+            for A in As:
+                kc.kbit_gemm(A, w, kernel=kernel)
+        cp.cuda.Device().synchronize()
+        return w
+    finally:
+        _jit.compile_options = saved_opts
+        _jit._kernels.clear()
+        _jit._kernels.update(saved_cache)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="one variant per option (several defines of one variant: comma-separated)")
+    p.add_argument("--layers", nargs="+", default=["4096x28672", "14336x4096", "8192x57344"])
+    p.add_argument("--m", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--k", nargs="+", type=int, default=[4])
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    variants = {"default": {}}
+    for spec in args.define:
+        variants[spec] = dict(kv.split("=") for kv in spec.split(","))
+    dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
+    info = bench.gpu_info()
+    print(f"{info['gpu']}  commit {info.get('commit')}  kernel {args.kernel}  {args.dtype}", flush=True)
+    for layer in args.layers:
+        K_dim, N = (int(v) for v in layer.lower().split("x"))
+        rng = cp.random.default_rng(0)
+        W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * np.float32(0.02)).astype(cp.float16)
+        As = {m: rng.standard_normal((m, K_dim), dtype=cp.float32).astype(dtype) for m in args.m}
+        for k in args.k:
+            ws = {name: kbit_variant(W, k, d, As.values(), args.kernel) for name, d in variants.items()}
+            for m, A in As.items():
+                A16, c16 = A.astype(cp.float16), cp.empty((m, N), cp.float16)
+
+                def cublas(A16=A16, c16=c16, m=m, N=N, K_dim=K_dim, W=W):
+                    _launch.cublas_gemm(m, N, K_dim, "float16", A16.data.ptr, W.data.ptr, c16.data.ptr,
+                                        cp.cuda.get_current_stream().ptr)
+                t_c = bench.time_graph(cublas, reps=args.reps)["median_us"]
+                line, ref = f"{layer:>11s} M={m:<3d} k={k} cuBLAS {t_c:8.2f}", None
+                t0 = None
+                for name, w in ws.items():
+                    out = cp.empty((m, N), dtype)
+                    op = lambda A=A, w=w, out=out: kc.kbit_gemm(A, w, out=out, kernel=args.kernel)
+                    t = bench.time_graph(op, reps=args.reps)["median_us"]
+                    with bench._bench_stream():
+                        got = op().copy()
+                    cp.cuda.Device().synchronize()
+                    same = ""
+                    if ref is None:
+                        ref, t0 = got, t
+                    elif not bool((got.view(cp.uint16) == ref.view(cp.uint16)).all()):
+                        same = " DIFFERENT bits"
+                    line += f"  {name} {t:8.2f} ({t_c / t:4.2f}x, {t0 / t:5.3f}){same}"
+                print(line, flush=True)
+            del ws
+        cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
