@@ -57,8 +57,8 @@ def main() -> int:
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--moe", action="store_true", help="also moe_linear at T = 1, 2, 4")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--set", action="append", default=[], metavar="NAME=INT",
-                   help="also B with kbit_cupy.gemm.NAME = INT during its calls (own plans)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=NUMBER",
+                   help="also B with kbit_cupy.gemm.NAME = NUMBER during its calls (own plans)")
     args = p.parse_args()
     if args.make_base:
         make_base(args.make_base)
@@ -84,16 +84,24 @@ def main() -> int:
         a32, b32 = ra.astype(cp.float32), rb.astype(cp.float32)
         return f"DIFFERENT bits, rel {float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(a32)):.1e}"
 
-    knobs = [(n, int(v)) for n, v in (kv.split("=") for kv in args.set)]
+    knobs = [(n, float(v) if "." in v or "e" in v else int(v))
+             for n, v in (kv.split("=") for kv in args.set)]
+
+    def clear_caches():  # functools caches of gemm.py (_work_split, _dispatch) see the knob
+        for obj in vars(kb.gemm).values():
+            if callable(getattr(obj, "cache_clear", None)):
+                obj.cache_clear()
 
     def with_knob(fn, knob):
         def op():
             saved = getattr(kb.gemm, knob[0])
             setattr(kb.gemm, *knob)
+            clear_caches()
             try:
                 return fn()
             finally:
                 setattr(kb.gemm, knob[0], saved)
+                clear_caches()
         return op
 
     def graph_us(op):
