@@ -213,6 +213,31 @@ def test_dispatch_on_the_h200_against_its_run():
     assert worst <= _DISPATCH_WORST, worst
 
 
+@pytest.mark.parametrize(
+    ("M", "N", "K_dim", "k", "dtype", "expected"),
+    [
+        # k = 3 fp16 on mid layers above 2^24 weights: latency to M = 4 (96c8893)
+        (1, 6144, 4096, 3, "float16", "latency"),
+        (4, 6144, 4096, 3, "float16", "latency"),
+        (5, 6144, 4096, 3, "float16", "mma"),
+        (1, 6144, 4096, 3, "bfloat16", "mma"),
+        # k = 2 fp16 on large layers under 2^27 weights: latency at M = 1
+        (1, 28672, 4096, 2, "float16", "latency"),
+        (2, 28672, 4096, 2, "float16", "mma"),
+        (1, 57344, 8192, 2, "float16", "mma"),
+        # the latency kernel only in one launch: 5120 columns leave 6 rows of A per launch
+        (6, 5120, 5120, 2, "float16", "latency"),
+        (7, 5120, 5120, 2, "float16", "mma"),
+        (8, 5120, 5120, 2, "bfloat16", "mma"),
+    ],
+)
+def test_dispatch_rows_of_96c8893(M, N, K_dim, k, dtype, expected):
+    from kbit_cupy.gemm import _latency_rows, choose_kernel
+
+    assert _latency_rows(5120, 2) == 6
+    assert choose_kernel(M, N, K_dim, k, dtype, wgmma=True) == expected
+
+
 # --------------------------------------------------------------------------
 # the mma kernel's work split (gemm_mma.cu "Work split"), mirrored in Python
 
