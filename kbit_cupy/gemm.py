@@ -638,8 +638,8 @@ def has_wgmma() -> bool:
 #   latency_h200_1bcd642, which agree): k = 3 fp16 on the other mid layers to
 #   M = 4 (4096x6144: latency/mma 0.94, 0.94, 0.98 at M = 1, 2, 4 on the H100;
 #   0.94, 0.95, 0.97 on the H200; 5120x5120 and 6144x4096 0.89-0.95 on the
-#   H100, latency_h100_dispatch_float16; bf16 on 5120x5120 lost at M = 1: 1.18,
-#   latency_h100_dispatch_bfloat16) and k = 2 fp16 on large layers under 2^27 weights
+#   H100, dispatch_check_h100_1bcd642_float16; bf16 on 5120x5120 lost at M = 1:
+#   1.18, dispatch_check_h100_1bcd642_bfloat16) and k = 2 fp16 on large layers under 2^27 weights
 #   at M = 1 (4096x28672: 0.935 H100, 0.94 H200). The H100 and the H200 pick
 #   the same kernels within 7% at every point of their runs, so the table
 #   keys on the GPU's properties (wgmma or not), not on its name.
@@ -727,7 +727,7 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     # long rows take fewer per launch, and two launches cost twice one (H100,
     # 5120x5120 k=2 bf16 at M = 8, 6 rows per launch: 22.5 us against mma's
     # 11.7; M = 4: 10.1 against 11.5).
-    if M <= lat_max and M <= _latency_rows(K_dim, 2):
+    if M <= lat_max and M <= _latency_rows(K_dim, 2):  # A is fp16 or bf16: 2 bytes
         return "latency"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 

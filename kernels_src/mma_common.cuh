@@ -46,29 +46,21 @@ __device__ __forceinline__ unsigned long long weight_l2_policy() {
 #else
 #define KBIT_LD_WEIGHT "ld.global.nc.L2::cache_hint"
 #endif
-__device__ __forceinline__ uint4 ldg_weight(const uint4* p, unsigned long long policy) {
+// A read-only load of a weight word V (uint4 index words; unsigned or uint2
+// scale words) with that policy.
+template <typename V>
+__device__ __forceinline__ V ldg_weight(const V* p, unsigned long long policy) {
 #if KBIT_WEIGHT_L2_HINT
-  uint4 v;
-  asm(KBIT_LD_WEIGHT ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
-  return v;
-#else
-  return __ldg(p);
-#endif
-}
-__device__ __forceinline__ unsigned ldg_weight(const unsigned* p, unsigned long long policy) {
-#if KBIT_WEIGHT_L2_HINT
-  unsigned v;
-  asm(KBIT_LD_WEIGHT ".u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(policy));
-  return v;
-#else
-  return __ldg(p);
-#endif
-}
-__device__ __forceinline__ uint2 ldg_weight(const uint2* p, unsigned long long policy) {
-#if KBIT_WEIGHT_L2_HINT
-  uint2 v;
-  asm(KBIT_LD_WEIGHT ".v2.u32 {%0, %1}, [%2], %3;" : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(policy));
+  V v;
+  if constexpr (sizeof(V) == 16) {
+    asm(KBIT_LD_WEIGHT ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+  } else if constexpr (sizeof(V) == 8) {
+    asm(KBIT_LD_WEIGHT ".v2.u32 {%0, %1}, [%2], %3;" : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(policy));
+  } else {
+    static_assert(sizeof(V) == 4, "weight words are 4, 8 or 16 bytes");
+    asm(KBIT_LD_WEIGHT ".u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(policy));
+  }
   return v;
 #else
   return __ldg(p);
