@@ -1,6 +1,6 @@
 """The mixture-of-experts kernels over a spread of cases, for compute-sanitizer.
 
-usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_moe.py [--wgmma]
+usage: compute-sanitizer --tool memcheck python benchmarks/sanitize_moe.py [--wgmma [--wg-tiles N]]
        compute-sanitizer --tool racecheck python benchmarks/sanitize_moe.py --quick [--wgmma]
 Runs kernels_src/moe_route.cu and the grouped launch of gemm_mma.cu (with
 and without row indirection) on: every k, both scale formats and activation
@@ -23,11 +23,16 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="fewer cases (racecheck is slow)")
 parser.add_argument("--wgmma", action="store_true",
                     help="the grouped launch forced onto the Hopper path (sm_90)")
+parser.add_argument("--wg-tiles", type=int, default=None,
+                    help="with --wgmma: problems of 8 * N rows only (default: chosen per call)")
 args = parser.parse_args()
 if args.wgmma:
+    from kbit_cupy import _jit
     from kbit_cupy import experts as _experts
 
     _experts._GROUPED_WG = True
+    if args.wg_tiles:
+        _jit.GEMM_GROUPED_WG_M_TILES = (args.wg_tiles,)
 
 rng = np.random.default_rng(0)
 # (E, N, K_dim, T, top_k)

@@ -120,7 +120,7 @@ def all_variants() -> list[Variant]:
 MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_route.cu)
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
-GEMM_GROUPED_WG_M_TILES = (4, 8)  # the same, grouped launch on the Hopper path (sm_90a)
+GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8)  # the same, grouped launch on the Hopper path (sm_90a)
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)
@@ -180,9 +180,12 @@ def gemm_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
     """Warpgroups per CTA of the grouped launch on the Hopper path: as
-    gemm_wg_warpgroups, but three at 8 n8 tiles (four spill 8-148 bytes
-    there: the grouped launch's problem tables and row lookups)."""
-    return 3 if m_tiles >= 8 else gemm_wg_warpgroups(m_tiles, k)
+    gemm_wg_warpgroups, but three at 8 n8 tiles and at 6 for k = 5 (four
+    spill 8-148 bytes at 8, 12-124 at 6 with k = 5: the grouped launch's
+    problem tables and row lookups); two at 16 (three spill at k = 3..5)."""
+    if m_tiles >= 16:
+        return 2
+    return 3 if m_tiles >= 8 or (k == 5 and m_tiles >= 6) else gemm_wg_warpgroups(m_tiles, k)
 
 
 def needs_sm90a(family: str, args: tuple) -> bool:

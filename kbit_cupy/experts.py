@@ -316,16 +316,50 @@ def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_
     up to the largest choice. mma.sync (spread 1.5): up to 32 rows: 64-row
     problems (8 n8 tiles, 168-178 registers) measured slower on the H100 than
     splitting the larger experts (128 experts of [1536, 2048], 4096 rows: 293
-    us against 243 us). The Hopper path takes spread 1.0: its 64-row problems
-    (three warpgroups) cost more per row than splitting an expert into 32-row
-    ones, up to about 32 rows per expert (H100, 128 experts top-8, k=4: 24
-    rows per expert 134.5 against 162.1 us on [1536, 2048], 75.5 against
-    103.9 us on [2048, 768]; 32 rows: 177.0 against 165.4, 105.6 against
-    106.0; 64 rows: 295.8 against 253.2, 171.2 against 157.8).
+    us against 243 us). The Hopper path chooses with grouped_wg_m_tiles.
     """
     per_expert = rows / max(1, min(experts, rows))
     want = math.ceil(spread * per_expert + 2)
     return next((t for t in choices if 8 * t >= want), choices[-1])
+
+
+# Relative time of one problem of the grouped Hopper launch per n8 tiles (16,
+# 32, 48 and 64 rows), measured on the H100 at 5cfbac8 with every expert in one
+# problem (benchmarks/moe_mtiles_ab.py, k=4 fp16, results/moe_mtiles_ab_h100_*):
+# 16 rows 0.90 of 32 (128 x [1536, 2048] at 8 rows per expert: 104.2 against
+# 115.7 us; 512 x [512, 2048] at 5: 132.4 against 147.0), 48 rows 1.09 and 64
+# rows 1.31 (128 x [1536, 2048] at 8 and 16 rows per expert: 126.0 and 152.2
+# against 115.7; 129.7 and 156.1 against 119.3).
+_WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31}
+
+
+def grouped_wg_m_tiles(rows: int, experts: int,
+                       choices: tuple = _jit.GEMM_GROUPED_WG_M_TILES) -> int:
+    """n8 tiles per problem of the grouped Hopper launch (one of ``choices``):
+    the fewest expected problems weighted by their cost (_WG_PROBLEM_COST).
+
+    Only the mean rows per expert is known on the host (the offsets stay on
+    the GPU), so an expert's rows X are taken as a uniform router spreads
+    them: about Poisson, normal with variance = mean here. An expert of X rows
+    runs ceil(X / problem rows) problems, each reading its weights again;
+    E[ceil(X / c)] = sum over j >= 0 of P(X > j * c). H100, k=4 (results/
+    moe_mtiles_ab_h100_*): at 32 rows per expert 48-row problems beat the
+    former 64-row ones by 15-22% (128 x [1536, 2048] 163.3 -> 138.5 us,
+    [2048, 768] 106.6 -> 85.0), at 10 rows 16-row ones beat 32-row ones by 8%
+    (512 x [512, 2048] 153.1 -> 140.5 us).
+    """
+    mean = rows / max(1, min(experts, rows))
+    sd = math.sqrt(max(mean, 1.0))
+
+    def problems(cap: int) -> float:  # E[ceil(X / cap)], X ~ N(mean, sd^2), X >= 1
+        total, j = 1.0, 1
+        while j * cap < mean + 8 * sd:
+            total += 0.5 * math.erfc((j * cap + 0.5 - mean) / (sd * math.sqrt(2.0)))
+            j += 1
+        return total
+
+    costs = {t: problems(8 * t) * _WG_PROBLEM_COST.get(t, t / 4) for t in choices}
+    return min(choices, key=lambda t: (costs[t], t))
 
 
 def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_row: int = 1,
@@ -477,7 +511,10 @@ def _grouped_wgmma(T: int, E: int) -> bool:
 
 
 _GROUPED_WG = None  # True / False: force the grouped launch's path (for A/B runs)
-_GROUPED_WG_MIN_ROWS = 8
+# H100, k=4 (results/moe_mtiles_ab_h100_*): at 5 rows per expert the Hopper
+# path's 16-row problems beat mma.sync by 3% (512 x [512, 2048]: 132.4 against
+# 136.4 us), at 8 rows by -2..+3%; at 2.7 rows mma.sync wins by 9%.
+_GROUPED_WG_MIN_ROWS = 4
 
 
 def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_row: int,
@@ -487,8 +524,8 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     wg = _grouped_wgmma(T, E)
-    if wg:  # problems of 32 or 64 rows: wgmma's N
-        want = grouped_m_tiles(T, E, _jit.GEMM_GROUPED_WG_M_TILES, spread=1.0)
+    if wg:  # problems of 16 to 64 rows: wgmma's N
+        want = grouped_wg_m_tiles(T, E, _jit.GEMM_GROUPED_WG_M_TILES)
         m_tiles, wgs = want, _jit.gemm_grouped_wg_warpgroups(want, experts.k)
     else:
         m_tiles, wgs = grouped_m_tiles(T, E), 0

@@ -660,10 +660,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.0f;
         // The group's CTAs in order (deterministic); a counted loop, so the
-        // loads of several partials are in flight at once.
+        // loads of several partials are in flight at once: four at M_TILES *
+        // RPW <= 2, two above on mma.sync (H100, 2048x768 at M = 32 and 64,
+        // eight splits: 6-10% faster than one; four were 11-18% faster there
+        // but 1-6% slower on 768x2048 and 4096x6144, and take 208-255
+        // registers), one on the Hopper path (its register budgets are tight).
         const int c_first = split_k ? seg_grp * (int)gridDim.y : cta_of(g_begin);
         const int c_last = split_k ? c_first + (int)gridDim.y - 1 : cta_of(g_begin + k_tiles - 1);
-#pragma unroll (M_TILES * RPW <= 2 ? 4 : 1)
+#pragma unroll (M_TILES * RPW <= 2 ? 4 : WG ? 1 : 2)
         for (int c = c_first; c <= c_last; ++c) {
           const float* part = slot_part(c, r);
 #pragma unroll

@@ -56,6 +56,12 @@ KBIT_WGMMA(__nv_bfloat16, "bf16", 16, KBIT_D8, "{%8, %9, %10, %11}, %12", KBIT_A
            KBIT_ACC4(1))
 KBIT_WGMMA(__half, "f16", 32, KBIT_D16, "{%16, %17, %18, %19}, %20", KBIT_ACC16(0))
 KBIT_WGMMA(__nv_bfloat16, "bf16", 32, KBIT_D16, "{%16, %17, %18, %19}, %20", KBIT_ACC16(0))
+// N = 48 (six n8 tiles: the grouped launch's 48-row problems)
+#define KBIT_D24 KBIT_D16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+KBIT_WGMMA(__half, "f16", 48, KBIT_D24, "{%24, %25, %26, %27}, %28", KBIT_ACC16(0), KBIT_ACC4(4),
+           KBIT_ACC4(5))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 48, KBIT_D24, "{%24, %25, %26, %27}, %28", KBIT_ACC16(0),
+           KBIT_ACC4(4), KBIT_ACC4(5))
 KBIT_WGMMA(__half, "f16", 64, KBIT_D32, "{%32, %33, %34, %35}, %36", KBIT_ACC32(0))
 KBIT_WGMMA(__nv_bfloat16, "bf16", 64, KBIT_D32, "{%32, %33, %34, %35}, %36", KBIT_ACC32(0))
 KBIT_WGMMA(__half, "f16", 128, KBIT_D64, "{%64, %65, %66, %67}, %68", KBIT_ACC32(0),

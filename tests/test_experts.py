@@ -21,7 +21,7 @@ from kbit_cupy import (
     repack_for_gemm,
 )
 from kbit_cupy._arrays import BFLOAT16, gpu_available, to_host
-from kbit_cupy.experts import grouped_m_tiles, route_pairs
+from kbit_cupy.experts import _grouped_wgmma, grouped_m_tiles, grouped_wg_m_tiles, route_pairs
 
 BOUNDS = {np.dtype(np.float16): 2e-3, BFLOAT16: 1e-2}
 
@@ -114,6 +114,32 @@ def test_grouped_m_tiles_follows_rows_per_expert():
     assert grouped_m_tiles(1024, 128) == 2  # 8
     assert grouped_m_tiles(4096, 128) == 4  # 32: capped at 32 rows per problem
     assert grouped_m_tiles(10**6, 4) == 4
+
+
+@pytest.mark.parametrize("rows, experts, tiles", [
+    # the points of results/moe_mtiles_ab_h100_*: the fastest measured problem size
+    (1024, 128, 2), (5120, 512, 2), (3840, 512, 2),  # 8, 10, 7.5 rows per expert: 16 rows
+    (2048, 128, 4), (3072, 128, 4),  # 16, 24: 32-row problems (few experts need two)
+    (4096, 128, 6), (256, 8, 6),  # 32: 48 rows hold almost every expert in one problem
+    (512, 8, 8), (1024, 8, 8),  # 64, 128: two or three 64-row problems beat 48-row ones
+    (10**6, 4, 8),
+])
+def test_grouped_wg_m_tiles_measured_picks(rows, experts, tiles):
+    assert grouped_wg_m_tiles(rows, experts) == tiles
+
+
+def test_grouped_wg_m_tiles_only_offered_choices():
+    for rows in (1, 7, 100, 1000, 5000, 20000):
+        assert grouped_wg_m_tiles(rows, 64, (4, 8)) in (4, 8)
+        assert grouped_wg_m_tiles(rows, 64, (6,)) == 6
+
+
+def test_grouped_launch_leaves_mma_sync_below_five_rows_per_expert(monkeypatch):
+    from kbit_cupy import experts as ex
+
+    monkeypatch.setattr(ex, "has_wgmma", lambda: True)
+    assert not _grouped_wgmma(1280, 512)  # 2.5 rows per expert: mma.sync 9% faster
+    assert _grouped_wgmma(2560, 512)  # 5: 16-row wgmma problems 3% faster
 
 
 @pytest.mark.parametrize(
@@ -255,6 +281,40 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
     rows = x[order // top_k]
     C = cp.asnumpy(kbit_grouped_gemm(cp.asarray(rows), ex, cp.asarray(offsets)))
     assert np.array_equal(C.view(np.uint16), got.reshape(-1, N)[order].view(np.uint16))
+
+
+@gpu_test
+@pytest.mark.parametrize("tiles", [2, 4, 6, 8])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_gpu_grouped_hopper_path_every_problem_size(tiles, k, dtype, monkeypatch):
+    """The Hopper path with problems of 8 * tiles rows (16..64; 65 rows per
+    expert: two to five problems, the last one partial, 19 row tiles):
+    poisoned output all written, within the bound, the same bits again."""
+    import cupy as cp
+
+    from kbit_cupy import _jit
+    from kbit_cupy import experts as experts_module
+    from kbit_cupy.gemm import has_wgmma
+
+    if not has_wgmma():
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    monkeypatch.setattr(experts_module, "_GROUPED_WG", True)
+    monkeypatch.setattr(_jit, "GEMM_GROUPED_WG_M_TILES", (tiles,))
+    E, N, K_dim, T, top_k = 16, 300, 288, 130, 8
+    ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=tiles + k)
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = cp.asarray(np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
+                         .astype(np.int32))
+    rows = cp.asarray(x[order // top_k])
+    out = cp.full((T * top_k, N), np.nan, dtype=dtype)
+    got = cp.asnumpy(kbit_grouped_gemm(rows, ex, offsets, out=out))
+    assert not np.isnan(got.astype(np.float32)).any()
+    want = reference(x, ids, ex).reshape(-1, N)[order]
+    assert rel_error(got, want) <= BOUNDS[np.dtype(dtype)]
+    again = cp.asnumpy(kbit_grouped_gemm(rows, ex, offsets))
+    assert np.array_equal(again.view(np.uint16), got.view(np.uint16))
 
 
 @gpu_test

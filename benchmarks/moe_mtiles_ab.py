@@ -1,0 +1,115 @@
+"""The grouped launch's problem size: mma.sync against the Hopper path at each
+n8-tile count, in one process (device only).
+
+For each config (moe_vs_grouped_mm.py's) and T tokens: a seeded uniform
+router (each token's top-k distinct experts), the (token, choice) rows
+grouped by expert (stable) outside the timing, and ``kbit_grouped_gemm`` timed kernel-only
+(``harness.time_graph``: a CUDA graph of (256 MB overwrite, op) pairs minus
+the overwrites) with the launch forced onto:
+
+- ``auto``: what the package picks;
+- ``mma``: mma.sync (``experts._GROUPED_WG = False``), its own problem size;
+- ``wgN``: the Hopper path with problems of 8 * N rows
+  (``_jit.GEMM_GROUPED_WG_M_TILES = (N,)``).
+
+Each variant is a shallow copy of one prepared KbitExperts with its own plan
+cache, so every plan is made under its variant's settings. Results are
+compared with ``auto``'s (relative Frobenius error: the problems, and so the
+order of the fp32 sums, differ between variants).
+
+    PYTHONPATH=. python benchmarks/moe_mtiles_ab.py --configs e128_top8_2048x1536 --t 128 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moe_vs_grouped_mm import CONFIGS
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--t", nargs="+", type=int, default=[128, 256, 384, 512])
+    p.add_argument("--wg", nargs="+", type=int, default=[2, 4, 6, 8],
+                   help="n8 tiles per problem of the Hopper path variants")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+
+    import cupy as cp
+
+    from kbit_cupy import _jit, kbit_grouped_gemm, quantize_experts
+    from kbit_cupy import experts as ex
+    from kbit_cupy._arrays import BFLOAT16
+    from kbit_cupy.bench import harness
+
+    dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
+    info = harness.gpu_info()
+    print(f"{info['gpu']}  commit {os.environ.get('KBIT_COMMIT', info.get('commit'))}  "
+          f"k=4 {args.dtype}, kernel-only", flush=True)
+    saved_tiles = _jit.GEMM_GROUPED_WG_M_TILES
+
+    def forced(fn, wg, tiles):
+        def op():
+            ex._GROUPED_WG, _jit.GEMM_GROUPED_WG_M_TILES = wg, tiles
+            try:
+                return fn()
+            finally:
+                ex._GROUPED_WG, _jit.GEMM_GROUPED_WG_M_TILES = None, saved_tiles
+        return op
+
+    for name in args.configs:
+        E, top_k, N, K_dim, _ = CONFIGS[name]
+        rng = np.random.default_rng(0)
+        W = (cp.random.default_rng(0).standard_normal((E, N, K_dim), dtype=cp.float32)
+             * np.float32(0.02)).astype(cp.float16)
+        base = quantize_experts(W, k=4).prepare()
+        del W
+        cp.cuda.Device().synchronize()
+        for T in args.t:
+            ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)]).reshape(-1)
+            counts = np.bincount(ids, minlength=E)
+            order = np.argsort(ids, kind="stable")
+            offsets = cp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+            x = rng.standard_normal((T, K_dim)).astype(np.float32)
+            A = cp.asarray(x[order // top_k]).astype(dtype)
+            R = T * top_k
+            variants = {"auto": (None, saved_tiles), "mma": (False, saved_tiles)}
+            variants.update({f"wg{t}": (True, (t,)) for t in args.wg})
+            ops, outs = {}, {}
+            for vname, (wg, tiles) in variants.items():
+                w = copy.copy(base)
+                w._plans = {}
+                C = cp.empty((R, N), dtype)
+                op = forced(lambda w=w, C=C, A=A, offsets=offsets: kbit_grouped_gemm(
+                    A, w, offsets, out=C, validate=False), wg, tiles)
+                try:
+                    outs[vname] = op().astype(cp.float32)
+                except Exception as e:  # noqa: BLE001 - a variant that cannot launch
+                    print(f"{name} T={T} {vname}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                ops[vname] = op
+            cp.cuda.Device().synchronize()
+            ref = outs["auto"]
+            act = int((counts > 0).sum())
+            print(f"{name} T={T}: {act} experts with rows, rows per expert mean "
+                  f"{R / max(act, 1):.1f} max {counts.max()}", flush=True)
+            for vname, op in ops.items():
+                err = float(cp.linalg.norm(outs[vname] - ref) / cp.linalg.norm(ref))
+                st = harness.time_graph(op, reps=args.reps)
+                t = st["median_us"] if st else float("nan")
+                print(f"  {vname:<6} {t:9.2f} us   rel err vs auto {err:.1e}", flush=True)
+        del base
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
