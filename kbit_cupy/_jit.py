@@ -120,7 +120,7 @@ def all_variants() -> list[Variant]:
 MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_route.cu)
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
-GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8)  # the same, grouped launch on the Hopper path (sm_90a)
+GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Hopper path (sm_90a)
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)

@@ -330,7 +330,12 @@ def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_
 # 115.7 us; 512 x [512, 2048] at 5: 132.4 against 147.0), 48 rows 1.09 and 64
 # rows 1.31 (128 x [1536, 2048] at 8 and 16 rows per expert: 126.0 and 152.2
 # against 115.7; 129.7 and 156.1 against 119.3).
-_WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31}
+# 128 rows (two warpgroups) 2.0: Mixtral's 8 x [28672, 4096] at 128 and 256
+# rows per expert, 1.5 and 2.5 problems of 128 rows against 2.5 and 4.5 of 64:
+# 697.6 against 762.0 us and 1331.0 against 1506.4 (results/
+# moe_mtiles_ab_h100_dcaf825_m16.txt); 128 x [3072, 4096] at 32 rows, one
+# problem each: 834.5 against 557.7.
+_WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31, 16: 2.0}
 
 
 def grouped_wg_m_tiles(rows: int, experts: int,
@@ -524,11 +529,25 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     wg = _grouped_wgmma(T, E)
-    if wg:  # problems of 16 to 64 rows: wgmma's N
-        want = grouped_wg_m_tiles(T, E, _jit.GEMM_GROUPED_WG_M_TILES)
-        m_tiles, wgs = want, _jit.gemm_grouped_wg_warpgroups(want, experts.k)
-    else:
-        m_tiles, wgs = grouped_m_tiles(T, E), 0
+    choices = _jit.GEMM_GROUPED_WG_M_TILES
+    while True:
+        if wg:  # problems of 16 to 128 rows: wgmma's N
+            m_tiles = grouped_wg_m_tiles(T, E, choices)
+            wgs = _jit.gemm_grouped_wg_warpgroups(m_tiles, experts.k)
+        else:
+            m_tiles, wgs = grouped_m_tiles(T, E), 0
+        kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
+                               m_tiles, 1, wgs, True)
+        stage = m_tiles * 8 * K_PER_TILE * dtype.itemsize
+        # the activation stages (wgmma: three, aligned at run time to 1 KB), then
+        # the problem tables (and the routed ids and order)
+        stages = 3 * stage + 1024 if wg else 2 * stage
+        shared = stages + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
+        limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
+        smaller = tuple(t for t in choices if t < m_tiles)
+        if not wg or kern.shared_size_bytes + shared <= limit or not smaller:
+            break
+        choices = smaller  # 128-row stages with k=4's pair table and many experts: smaller problems
     warps = 4 * wgs if wg else _WARPS
     threads = 32 * warps
     rows_per_problem = 8 * m_tiles
@@ -544,14 +563,6 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
             or max_problems * threads >= 2**31):
         raise ValueError(f"too much work for one grouped launch ({E} experts of [{N}, {K_dim}], "
                          f"{T} rows); split the rows into several calls")
-    kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
-                           m_tiles, 1, wgs, True)
-    stage = m_tiles * 8 * K_PER_TILE * dtype.itemsize
-    # the activation stages (wgmma: three, aligned at run time to 1 KB), then
-    # the problem tables (and the routed ids and order)
-    stages = 3 * stage + 1024 if wg else 2 * stage
-    shared = stages + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
-    limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     if kern.shared_size_bytes + shared > limit:
         raise ValueError(
             f"{E} experts need {kern.shared_size_bytes + shared} bytes of shared memory per CTA "

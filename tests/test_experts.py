@@ -121,8 +121,8 @@ def test_grouped_m_tiles_follows_rows_per_expert():
     (1024, 128, 2), (5120, 512, 2), (3840, 512, 2),  # 8, 10, 7.5 rows per expert: 16 rows
     (2048, 128, 4), (3072, 128, 4),  # 16, 24: 32-row problems (few experts need two)
     (4096, 128, 6), (256, 8, 6),  # 32: 48 rows hold almost every expert in one problem
-    (512, 8, 8), (1024, 8, 8),  # 64, 128: two or three 64-row problems beat 48-row ones
-    (10**6, 4, 8),
+    (512, 8, 8),  # 64: one or two 64-row problems
+    (1024, 8, 16), (2048, 8, 16),  # 128, 256: 128-row problems (Mixtral's 8 experts)
 ])
 def test_grouped_wg_m_tiles_measured_picks(rows, experts, tiles):
     assert grouped_wg_m_tiles(rows, experts) == tiles
@@ -284,12 +284,12 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
 
 
 @gpu_test
-@pytest.mark.parametrize("tiles", [2, 4, 6, 8])
+@pytest.mark.parametrize("tiles", [2, 4, 6, 8, 16])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_gpu_grouped_hopper_path_every_problem_size(tiles, k, dtype, monkeypatch):
-    """The Hopper path with problems of 8 * tiles rows (16..64; 65 rows per
-    expert: two to five problems, the last one partial, 19 row tiles):
+    """The Hopper path with problems of 8 * tiles rows (16..128; 65 rows per
+    expert: one to five problems, the last one partial, 19 row tiles):
     poisoned output all written, within the bound, the same bits again."""
     import cupy as cp
 
@@ -315,6 +315,35 @@ def test_gpu_grouped_hopper_path_every_problem_size(tiles, k, dtype, monkeypatch
     assert rel_error(got, want) <= BOUNDS[np.dtype(dtype)]
     again = cp.asnumpy(kbit_grouped_gemm(rows, ex, offsets))
     assert np.array_equal(again.view(np.uint16), got.view(np.uint16))
+
+
+@gpu_test
+@pytest.mark.parametrize("E", [8, 128])
+def test_gpu_grouped_128_row_problems_or_smaller_where_shared_memory_ends(E):
+    """~100 rows per expert picks 128-row problems; with k=4's pair table, bf16
+    and 128 experts their stages and tables pass the shared-memory limit, and
+    the launch takes 64-row problems instead of failing."""
+    import cupy as cp
+
+    from kbit_cupy.gemm import has_wgmma
+
+    if not has_wgmma():
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    N, K_dim, rows = 40, 96, 100
+    rng = np.random.default_rng(E)
+    W = (rng.standard_normal((E, N, K_dim)) * 0.05).astype(np.float32)
+    ex = quantize_experts(cp.asarray(W), 4)
+    counts = rng.integers(rows - 10, rows + 40, size=E)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    A = rng.standard_normal((int(offsets[-1]), K_dim)).astype(BFLOAT16)
+    got = cp.asnumpy(kbit_grouped_gemm(cp.asarray(A), ex, cp.asarray(offsets)))
+    want = np.concatenate([A[offsets[e]:offsets[e + 1]].astype(np.float64)
+                           @ to_host(ex.expert(e).dequantize(np.float32)).astype(np.float64).T
+                           for e in range(E)])
+    assert rel_error(got, want) <= BOUNDS[BFLOAT16]
+    (run,) = ex._plans.values()  # its dynamic shared memory: three stages of a problem's rows
+    stage_rows = (run._launch.shared - 2 * (E + 1) * 4 - 1024) // (3 * 256 * 2)
+    assert stage_rows == (128 if E == 8 else 64)
 
 
 @gpu_test
