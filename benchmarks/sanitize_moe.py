@@ -25,6 +25,7 @@ parser.add_argument("--wgmma", action="store_true",
                     help="the grouped launch forced onto the Hopper path (sm_90)")
 parser.add_argument("--wg-tiles", type=int, default=None,
                     help="with --wgmma: problems of 8 * N rows only (default: chosen per call)")
+parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5], help="bit widths to run")
 args = parser.parse_args()
 if args.wgmma:
     from kbit_cupy import _jit
@@ -41,7 +42,7 @@ cases = [(1, 16, 32, 1, 1), (8, 100, 96, 33, 2), (64, 128, 256, 65, 8), (512, 32
 if args.quick:
     cases = [cases[1], cases[2], cases[4]]
 count = 0
-for k in (2, 3, 4, 5):
+for k in args.k:
     for fmt in ("e4m4", "fp16"):
         for dtype in (np.float16, BFLOAT16):
             for E, N, K_dim, T, top_k in cases:
