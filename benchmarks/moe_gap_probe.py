@@ -7,8 +7,9 @@ experts of [1536, 2048], top-8, T tokens (8T rows):
   identity ``row_ids`` table (ids_per_row = 1): the indirection alone;
 - gather/8: through ``row_ids`` with ids_per_row = 8 (A has T rows, as in
   moe_linear): the indirection and the division;
-- moe_linear (validate=False): routing launch + the grouped launch.
-Usage: PYTHONPATH=. python benchmarks/moe_gap_probe.py [--t 128 512]
+- moe_linear (validate=False): routing launch + the grouped launch;
+- route only: the routing launch (kernels_src/moe_route.cu) alone.
+Usage: PYTHONPATH=. python benchmarks/moe_gap_probe.py [--t 128 512] [--ab KBIT_CROW_FIRST=0]
 """
 
 from __future__ import annotations
@@ -30,9 +31,20 @@ def main() -> int:
     p.add_argument("--wg-ab", action="store_true",
                    help="instead: kbit_grouped_gemm and moe_linear with the grouped launch "
                         "forced onto mma.sync and onto the Hopper path (wgmma)")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                   help="compile the kernels with -DNAME=VALUE (A/B of a kernel knob across runs)")
+    p.add_argument("--ab", default=None, metavar="NAME=VALUE",
+                   help="instead: kbit_grouped_gemm and moe_linear built with the default "
+                        "options and with -DNAME=VALUE, timed side by side in this process")
     args = p.parse_args()
 
     import cupy as cp
+
+    if args.define:
+        from kbit_cupy import _jit
+
+        saved = _jit.compile_options
+        _jit.compile_options = lambda: (*saved(), *(f"-D{d}" for d in args.define))
 
     from kbit_cupy import quantize_experts
     from kbit_cupy.bench import harness
@@ -51,6 +63,9 @@ def main() -> int:
     cp.cuda.Device().synchronize()
     print(f"{harness.gpu_info()['gpu']}: {E} experts of [{N}, {K_dim}], top-{top_k}, k=4 fp16")
     for T in args.t:
+        if args.ab:
+            _define_ab(T, E, top_k, K_dim, N, experts, args.ab, rng)
+            continue
         if args.wg_ab:
             _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng)
         else:
@@ -122,6 +137,49 @@ def _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng):
     _time_and_print(T, ops)
 
 
+def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
+    """kbit_grouped_gemm and moe_linear with the default kernels and with the
+    kernels compiled with -D``define``, each plan made on the timing stream
+    under its own options (a shallow copy of the experts holds it), results
+    compared bit for bit, each op a CUDA graph; printed."""
+    import copy
+
+    import cupy as cp
+
+    from kbit_cupy import _jit, kbit_grouped_gemm, moe_linear
+    from kbit_cupy.bench import harness
+
+    ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
+    ops, outs = {}, {}
+    for label, opts in (("default", ()), (define, (f"-D{define}",))):
+        w = copy.copy(experts)
+        w._plans = {}
+        C = cp.empty((T * top_k, N), cp.float16)
+        out3 = cp.empty((T, top_k, N), cp.float16)
+        pair = {f"grouped {label}": lambda w=w, C=C: kbit_grouped_gemm(A_sorted, w, offsets, out=C,
+                                                                        validate=False),
+                f"moe_linear {label}": lambda w=w, out3=out3: moe_linear(x, ids, w, out=out3,
+                                                                         validate=False)}
+        saved_opts, saved_cache = _jit.compile_options, dict(_jit._kernels)
+        _jit._kernels.clear()
+        _jit.compile_options = lambda saved_opts=saved_opts, opts=opts: (*saved_opts(), *opts)
+        try:
+            with harness._bench_stream():  # plans are per stream: made here, with these kernels
+                for name, op in pair.items():
+                    outs[name] = op().copy()
+            cp.cuda.Device().synchronize()
+        finally:
+            _jit.compile_options = saved_opts
+            _jit._kernels.clear()
+            _jit._kernels.update(saved_cache)
+        ops.update(pair)
+    for kind in ("grouped", "moe_linear"):
+        same = bool((outs[f"{kind} default"].view(cp.uint16)
+                     == outs[f"{kind} {define}"].view(cp.uint16)).all())
+        print(f"T={T:<4} {kind}: {'the same bits' if same else 'DIFFERENT bits'}", flush=True)
+    _time_and_print(T, ops)
+
+
 def _probe(T, E, top_k, K_dim, N, experts, rng):
     """The four ops at T tokens, each timed as a CUDA graph; printed."""
     import cupy as cp
@@ -142,6 +200,7 @@ def _probe(T, E, top_k, K_dim, N, experts, rng):
         "gather/8": lambda: ex._launch_grouped(x_tok, experts, offsets, C, row_ids=ident,
                                                ids_per_row=top_k),
         "moe_linear": lambda: moe_linear(x, ids, experts, out=out3, validate=False),
+        "route only": lambda: ex.route_pairs(ids, E),
     }
     for op in ops.values():
         op()

@@ -681,16 +681,45 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         }
         if (lane == 0) *counter() = 0;  // ready for the next call
       }
+      if constexpr (GROUPED) {
+        // Through row_ids or the routed order (moe_linear), a row of C is a
+        // lookup: this thread's rows (two per n8 tile) are looked up
+        // KBIT_CROW_CHUNK n8 tiles at a time before their stores, so the
+        // lookups are in flight together instead of each waiting behind the
+        // stores before it.
+#ifndef KBIT_CROW_CHUNK
+#define KBIT_CROW_CHUNK 4
+#endif
+        constexpr int kChunk = KBIT_CROW_CHUNK < M_TILES ? KBIT_CROW_CHUNK : M_TILES;
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
+        for (int mt0 = 0; mt0 < M_TILES; mt0 += kChunk) {
+          int crow[kChunk][2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int n = rt * 16 + g + 8 * (i >> 1);
-          const int m = mt * 8 + 2 * t + (i & 1);
-          if (GROUPED) {
-            if (n < N && m < pl.rows)
-              Mma<T>::store(C + (long long)c_row(pl.row0 + m) * N + n, acc[r][mt][i]);
-          } else {
+          for (int j = 0; j < kChunk; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int m = (mt0 + j) * 8 + 2 * t + h;
+              crow[j][h] = mt0 + j < M_TILES && m < pl.rows ? c_row(pl.row0 + m) : -1;
+            }
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j) {
+            if (mt0 + j >= M_TILES) break;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int n = rt * 16 + g + 8 * (i >> 1);
+              const int cr = crow[j][i & 1];
+              if (n < N && cr >= 0)
+                Mma<T>::store(C + (long long)cr * N + n, acc[r][(mt0 + j) % M_TILES][i]);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int n = rt * 16 + g + 8 * (i >> 1);
+            const int m = mt * 8 + 2 * t + (i & 1);
             if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[r][mt][i]);
           }
         }
