@@ -10,7 +10,8 @@ the overwrites) with the launch forced onto:
 - ``auto``: what the package picks;
 - ``mma``: mma.sync (``experts._GROUPED_WG = False``), its own problem size;
 - ``wgN``: the Hopper path with problems of 8 * N rows
-  (``_jit.GEMM_GROUPED_WG_M_TILES = (N,)``).
+  (``_jit.GEMM_GROUPED_WG_M_TILES = (N,)``); ``wgNxW`` with W warpgroups per
+  CTA (``experts._GROUPED_WG_WARPGROUPS``).
 
 Each variant is a shallow copy of one prepared KbitExperts with its own plan
 cache, so every plan is made under its variant's settings. Results are
@@ -38,8 +39,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--t", nargs="+", type=int, default=[128, 256, 384, 512])
-    p.add_argument("--wg", nargs="+", type=int, default=[2, 4, 6, 8],
-                   help="n8 tiles per problem of the Hopper path variants")
+    p.add_argument("--wg", nargs="+", default=["2", "4", "6", "8"],
+                   help="n8 tiles per problem of the Hopper path variants; TxW: T tiles with W "
+                        "warpgroups per CTA (default: _jit.gemm_grouped_wg_warpgroups)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
@@ -57,13 +59,15 @@ def main() -> int:
           f"k=4 {args.dtype}, kernel-only", flush=True)
     saved_tiles = _jit.GEMM_GROUPED_WG_M_TILES
 
-    def forced(fn, wg, tiles):
+    def forced(fn, wg, tiles, wgs=None):
         def op():
             ex._GROUPED_WG, _jit.GEMM_GROUPED_WG_M_TILES = wg, tiles
+            ex._GROUPED_WG_WARPGROUPS = wgs
             try:
                 return fn()
             finally:
                 ex._GROUPED_WG, _jit.GEMM_GROUPED_WG_M_TILES = None, saved_tiles
+                ex._GROUPED_WG_WARPGROUPS = None
         return op
 
     for name in args.configs:
@@ -82,15 +86,17 @@ def main() -> int:
             x = rng.standard_normal((T, K_dim)).astype(np.float32)
             A = cp.asarray(x[order // top_k]).astype(dtype)
             R = T * top_k
-            variants = {"auto": (None, saved_tiles), "mma": (False, saved_tiles)}
-            variants.update({f"wg{t}": (True, (t,)) for t in args.wg})
+            variants = {"auto": (None, saved_tiles, None), "mma": (False, saved_tiles, None)}
+            for spec in args.wg:
+                t, _, w = spec.partition("x")
+                variants[f"wg{spec}"] = (True, (int(t),), int(w) if w else None)
             ops, outs = {}, {}
-            for vname, (wg, tiles) in variants.items():
+            for vname, (wg, tiles, wgs) in variants.items():
                 w = copy.copy(base)
                 w._plans = {}
                 C = cp.empty((R, N), dtype)
                 op = forced(lambda w=w, C=C, A=A, offsets=offsets: kbit_grouped_gemm(
-                    A, w, offsets, out=C, validate=False), wg, tiles)
+                    A, w, offsets, out=C, validate=False), wg, tiles, wgs)
                 try:
                     outs[vname] = op().astype(cp.float32)
                 except Exception as e:  # noqa: BLE001 - a variant that cannot launch

@@ -516,6 +516,7 @@ def _grouped_wgmma(T: int, E: int) -> bool:
 
 
 _GROUPED_WG = None  # True / False: force the grouped launch's path (for A/B runs)
+_GROUPED_WG_WARPGROUPS = None  # override of _jit.gemm_grouped_wg_warpgroups (for A/B runs)
 # H100, k=4 (results/moe_mtiles_ab_h100_*): at 5 rows per expert the Hopper
 # path's 16-row problems beat mma.sync by 3% (512 x [512, 2048]: 132.4 against
 # 136.4 us), at 8 rows by -2..+3%; at 2.7 rows mma.sync wins by 9%.
@@ -533,7 +534,7 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     while True:
         if wg:  # problems of 16 to 128 rows: wgmma's N
             m_tiles = grouped_wg_m_tiles(T, E, choices)
-            wgs = _jit.gemm_grouped_wg_warpgroups(m_tiles, experts.k)
+            wgs = _GROUPED_WG_WARPGROUPS or _jit.gemm_grouped_wg_warpgroups(m_tiles, experts.k)
         else:
             m_tiles, wgs = grouped_m_tiles(T, E), 0
         kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
