@@ -531,6 +531,7 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     rt_n, kt_n = _tile_counts(N, K_dim)
     wg = _grouped_wgmma(T, E)
     choices = _jit.GEMM_GROUPED_WG_M_TILES
+    limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     while True:
         if wg:  # problems of 16 to 128 rows: wgmma's N
             m_tiles = grouped_wg_m_tiles(T, E, choices)
@@ -544,7 +545,6 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
         # the problem tables (and the routed ids and order)
         stages = 3 * stage + 1024 if wg else 2 * stage
         shared = stages + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
-        limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
         smaller = tuple(t for t in choices if t < m_tiles)
         if not wg or kern.shared_size_bytes + shared <= limit or not smaller:
             break

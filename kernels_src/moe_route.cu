@@ -35,13 +35,10 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   for (int i = threadIdx.x; i < warps_used * experts; i += THREADS) slot[i] = 0;
   __syncthreads();
   if (warp < warps_used) {  // 1) counts per (warp, expert)
-#ifndef KBIT_ROUTE_PIPELINE
-#define KBIT_ROUTE_PIPELINE 1
-#endif
     // unrolled: several loads of ids in flight, not one round trip each
     // (with phase 3's load ahead, H100: 4096 pairs 9.18 -> 8.05 us, 1024
     // pairs 4.31 -> 4.42 us; results/moe_route_pipeline_h100_d8f3e95.txt)
-#pragma unroll(KBIT_ROUTE_PIPELINE ? 4 : 1)
+#pragma unroll 4
     for (int i = begin + lane; i < end; i += 32) {
       const int e = __ldg(ids + i);
       if (valid(e)) atomicAdd(slot + warp * experts + e, 1);
@@ -72,16 +69,11 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   // 3) rows in pair order: lanes with one expert take consecutive rows.
   if (warp < warps_used) {
     // the next 32 ids loaded while these are placed (one load in flight ahead)
-    int e_next = KBIT_ROUTE_PIPELINE && begin + lane < end ? __ldg(ids + begin + lane) : -1;
+    int e_next = begin + lane < end ? __ldg(ids + begin + lane) : -1;
     for (int i0 = begin; i0 < end; i0 += 32) {
       const int i = i0 + lane;
-      int e;
-      if (KBIT_ROUTE_PIPELINE) {
-        e = e_next;
-        e_next = i + 32 < end ? __ldg(ids + i + 32) : -1;
-      } else {
-        e = i < end ? __ldg(ids + i) : -1;
-      }
+      const int e = e_next;
+      e_next = i + 32 < end ? __ldg(ids + i + 32) : -1;
       const bool ok = valid(e);
       const unsigned peers = __match_any_sync(kFullMask, ok ? e : -1);
       const int rank = __popc(peers & ((1u << lane) - 1u));
