@@ -1,6 +1,8 @@
 """A/B of kbit_gemm built with compile-time defines, in one process (device only).
 
 usage: python benchmarks/define_ab.py --define KBIT_L2_PREFETCH=1 [--define ...]
+       (or --define gemm._LATENCY_SPLIT=2: a module attribute of kbit_cupy, set while
+       the variant's launch plans are made)
        [--layers 4096x28672 ...] [--m 1 16] [--k 4] [--kernel auto] [--dtype float16]
 
 Each variant is the package's own kernels compiled with extra ``-D`` options
@@ -28,7 +30,19 @@ from kbit_cupy.bench import harness as bench
 def kbit_variant(W, k: int, defines: dict, As, kernel: str = "auto"):
     """A prepared weight whose kernels are compiled with ``-DNAME=VALUE`` for
     each of ``defines``; its launch plans for each A in ``As`` are made here,
-    on the harness stream (plans are per stream), with those kernels."""
+    on the harness stream (plans are per stream), with those kernels. A name
+    with a dot, ``module.ATTR`` (a module of kbit_cupy), is instead set as
+    that module's attribute (an int) while the plans are made, then restored."""
+    import importlib
+
+    attrs = {n: v for n, v in defines.items() if "." in n}
+    defines = {n: v for n, v in defines.items() if "." not in n}
+    saved_attrs = {}
+    for name, value in attrs.items():
+        mod_name, attr = name.rsplit(".", 1)
+        mod = importlib.import_module(f"kbit_cupy.{mod_name}")
+        saved_attrs[name] = (mod, attr, getattr(mod, attr))
+        setattr(mod, attr, int(value))
     saved_opts, saved_cache = _jit.compile_options, dict(_jit._kernels)
     _jit._kernels.clear()
     _jit.compile_options = lambda: (*saved_opts(), *(f"-D{n}={v}" for n, v in defines.items()))
@@ -44,6 +58,8 @@ def kbit_variant(W, k: int, defines: dict, As, kernel: str = "auto"):
         _jit.compile_options = saved_opts
         _jit._kernels.clear()
         _jit._kernels.update(saved_cache)
+        for mod, attr, value in saved_attrs.values():
+            setattr(mod, attr, value)
 
 
 def main() -> int:

@@ -185,17 +185,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kLag = kStages - 2;
   constexpr int kChunksPerRow = kSlab ? 8 : 32;  // 16-byte chunks of a staged row
   constexpr int kStageChunks = 8 * M_TILES * kChunksPerRow;
-  // One n8 tile on mma.sync (not grouped): each 16-word block of a staged row
-  // (32 columns) is stored transposed, word 4t + i holding word t + 4i, at
-  // block position j ^ (row & 1). Lane (g, t) then reads the words t, 4 + t,
-  // 8 + t, 12 + t of its B fragment with one 16-byte LDS from row min(g, M - 1):
-  // the lanes of a row share the load, and rows past M (their columns of C
-  // are never stored) repeat row M - 1, so at M <= 2 a block's activations
-  // cost one shared-memory wavefront instead of ldmatrix.x4's four.
-#ifndef KBIT_ROW_BCAST
-#define KBIT_ROW_BCAST 0
-#endif
-  constexpr bool kRowBcast = KBIT_ROW_BCAST && !WG && !GROUPED && M_TILES == 1;
   // WG: the stages start at x_align (below), so the tables follow them there
   // (gemm.py's 1 KB of alignment slack covers the shift).
   const int x_align =
@@ -460,21 +449,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                      "r"(bytes));
         src += (long long)(kThreads / 32) * K_dim;
-      }
-    } else if constexpr (kRowBcast) {
-      // 4-byte copies: natural word w of row `row` to its transposed place
-      // (see kRowBcast); the global reads of a warp stay contiguous.
-      const int rows = min(M, 8);
-      const unsigned base =
-          (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
-      for (int i = threadIdx.x; i < rows * 128; i += blockDim.x) {
-        const int row = i >> 7, w = i & 127;
-        const int col = kt_l * 256 + 2 * w;
-        const bool valid = col < K_dim;
-        const T* src = valid ? A + (long long)row * K_dim + col : A;
-        const int pos = row * 128 + 16 * ((w >> 4) ^ (row & 1)) + 4 * (w & 3) + ((w >> 2) & 3);
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(base + 4u * pos),
-                     "l"(src), "r"(valid ? 4 : 0));
       }
     } else {
       const int rows = min(M, 8 * M_TILES);  // rows past M are never read
@@ -768,11 +742,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     const int x_sw = (lane >> 3) ^ (lane & 7);
     const unsigned x_even = x_base + buf * (kStageChunks * 16) + (lane & 7) * 512 + x_sw * 16;
     const unsigned x_odd = x_even + (x_sw & 4 ? -64 : 64);
-    // kRowBcast: row min(g, M - 1), words 4t .. 4t + 3 of block j ^ (row & 1),
-    // that is j + 1 / j - 1 for even / odd j of an odd row.
-    const int xb_row = min(g, min(M, 8) - 1);
-    const unsigned xb_base = x_base + buf * (kStageChunks * 16) + xb_row * 512 + 16 * t;
-    const unsigned xb_even = xb_base + (xb_row & 1) * 64, xb_odd = xb_base - (xb_row & 1) * 64;
     const bool in_seg = i + 1 < seg_n;
     const bool has_next = in_seg || seg_more;
     const int next_kt = in_seg ? seg_kt0 + i + 1 : 0;
@@ -937,15 +906,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
         uint4 x;
-        if constexpr (kRowBcast) {
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                       : "r"((j & 1 ? xb_odd : xb_even) + 64 * j));
-        } else {
-          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                       : "r"((j & 1 ? x_odd : x_even) + mt * 8 * 512 + (j >> 1) * 128));
-        }
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                     : "r"((j & 1 ? x_odd : x_even) + mt * 8 * 512 + (j >> 1) * 128));
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
 #pragma unroll
