@@ -113,8 +113,6 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs, True)))
                     for m_tiles in GEMM_LATENCY_M_TILES:
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles)))
-                        for split in GEMM_LATENCY_SPLITS[1:]:
-                            out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, split)))
     out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
     return out
 
@@ -125,7 +123,6 @@ GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (
 GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Hopper path (sm_90a)
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
-GEMM_LATENCY_SPLITS = (1, 2, 4)  # gemm_latency.cu SPLIT: warps per K tile
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)
 GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations stage per slab
 

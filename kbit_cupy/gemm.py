@@ -876,7 +876,7 @@ def _latency_rows(K_dim: int, itemsize: int) -> int:
 
 
 def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
-                     ctas: int, split: int = 1) -> tuple[int, int]:
+                     ctas: int) -> tuple[int, int]:
     """(warps per CTA, dynamic shared bytes) of a gemm_latency.cu launch of
     ``ctas`` CTAs staging ``rows`` rows of ``k_tiles`` K tiles: one warp per K
     tile up to GEMM_LATENCY_MAX_WARPS, halved (each warp then takes two or
@@ -884,7 +884,7 @@ def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
     whose loads are all issued at the start. ValueError where the rows do not
     fit the shared memory."""
     stage = rows * k_tiles * K_PER_TILE * itemsize
-    warps = min(_jit.GEMM_LATENCY_MAX_WARPS, k_tiles * split)
+    warps = min(_jit.GEMM_LATENCY_MAX_WARPS, k_tiles)
     while True:
         shared = stage + warps * m_tiles * 32 * 16  # + the warps' partial tiles, fp32
         per_sm = launch_ctas_per_sm(kern, 32 * warps, shared)
@@ -903,20 +903,6 @@ def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
 _LATENCY_MIN_WARPS = 2
 
 
-# Warps per K tile of a gemm_latency launch (None: latency_split's rule; an
-# int from GEMM_LATENCY_SPLITS: that, for A/B runs).
-_LATENCY_SPLIT: int | None = None
-
-
-def latency_split(k_tiles: int) -> int:
-    """Warps per K tile (gemm_latency.cu SPLIT): the most of GEMM_LATENCY_SPLITS
-    that keeps the work items within GEMM_LATENCY_MAX_WARPS warps."""
-    if _LATENCY_SPLIT is not None:
-        return _LATENCY_SPLIT
-    fit = [s for s in _jit.GEMM_LATENCY_SPLITS if k_tiles * s <= _jit.GEMM_LATENCY_MAX_WARPS]
-    return max(fit, default=1)
-
-
 def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     """Launch of gemm_latency.cu for ``M`` (<= _latency_rows) rows of A: one
     CTA per 16-row tile of W, its warps splitting the K tiles
@@ -925,10 +911,8 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
-    split = latency_split(kt_n)
-    kern = _jit.get_kernel("gemm_latency", weight.k, dtype.name, weight.absmax.dtype.name, m_tiles,
-                           *((split,) if split > 1 else ()))
-    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, rt_n, split)
+    kern = _jit.get_kernel("gemm_latency", weight.k, dtype.name, weight.absmax.dtype.name, m_tiles)
+    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, rt_n)
     return _launch.Launch(kern, (rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0))
 

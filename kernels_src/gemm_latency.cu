@@ -44,11 +44,7 @@ namespace kbit {
 
 constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WARPS)
 
-// SPLIT (1, 2 or 4): warps per K tile. Work item i is K tile i / SPLIT, and
-// the warp that takes it decodes and multiplies blocks 8 / SPLIT * (i % SPLIT)
-// onwards, 8 / SPLIT of them: on layers of few K tiles (768x2048: three) more
-// warps share each row tile's chain of decodes (gemm.py chooses).
-template <int K, typename T, typename TScale, int M_TILES, int SPLIT = 1>
+template <int K, typename T, typename TScale, int M_TILES>
 __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C, int M,
@@ -73,16 +69,13 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     rows = 1;
   }
   const int stride = k_tiles * 32;       // chunks per staged row
-  static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "SPLIT: 1, 2 or 4 warps per K tile");
-  constexpr int kBlocks = 8 / SPLIT;     // blocks per work item
-  const int items = k_tiles * SPLIT;
 
   // This warp's first tile first: its loads are in flight during the staging.
   using RawScale = typename ScaleWord<TScale>::Raw;
   unsigned w_s[2][4 * K];
   RawScale raw_s[2];
-  auto load_tile = [&](int item, unsigned (&w)[4 * K], RawScale& raw) {
-    const long long tile = tile0 + (long long)rt * k_tiles + item / SPLIT;
+  auto load_tile = [&](int kt, unsigned (&w)[4 * K], RawScale& raw) {
+    const long long tile = tile0 + (long long)rt * k_tiles + kt;
 #pragma unroll
     for (int q = 0; q < K; ++q) {
       const uint4 v = ldg_weight(tiles + (tile * K + q) * 32 + lane, l2_policy);
@@ -93,7 +86,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     }
     raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
-  if (warp < items) load_tile(warp, w_s[0], raw_s[0]);
+  if (warp < k_tiles) load_tile(warp, w_s[0], raw_s[0]);
 
   extern __shared__ uint4 x_stage[];  // [rows][stride], then the partial tiles (below)
   for (int row = 0; row < rows; ++row) {
@@ -151,10 +144,9 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
 
-  auto tile = [&](int item, const unsigned (&w)[4 * K], const RawScale& raw,
+  auto tile = [&](int kt, const unsigned (&w)[4 * K], const RawScale& raw,
                   unsigned (&w_next)[4 * K], RawScale& raw_next) {
-    if (item + warps < items) load_tile(item + warps, w_next, raw_next);
-    const int kt = item / SPLIT, part = item % SPLIT;
+    if (kt + warps < k_tiles) load_tile(kt + warps, w_next, raw_next);
     unsigned sw_lo[2 * ScaleWord<TScale>::kBytes / 4], sw_hi[2 * ScaleWord<TScale>::kBytes / 4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -176,12 +168,8 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
       x_even[mt] = row < rows ? base + 16u * (my_chunk ^ my_row) : zero_addr;
       x_odd[mt] = row < rows ? base + 16u * ((4 + my_chunk) ^ my_row) : zero_addr;
     }
-    // Blocks j0 .. j0 + kBlocks - 1, one branch per part; each call passes a
-    // constant j0, so once inlined the fields' offsets are immediates.
-    auto blocks = [&](const int j0) {
 #pragma unroll
-    for (int jj = 0; jj < kBlocks; ++jj) {
-      const int j = j0 + jj;
+    for (int j = 0; j < 8; ++j) {
       unsigned wp[2][4];  // [h][pair p]: columns (8p + 2t, +1) of row g + 8h, block j
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -210,21 +198,10 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
         }
       }
     }
-    };
-    if constexpr (SPLIT == 1) {
-      blocks(0);
-    } else if constexpr (SPLIT == 2) {
-      if (part == 0) blocks(0); else blocks(4);
-    } else {
-      if (part == 0) blocks(0);
-      else if (part == 1) blocks(2);
-      else if (part == 2) blocks(4);
-      else blocks(6);
-    }
   };
-  for (int item = warp; item < items; item += 2 * warps) {
-    tile(item, w_s[0], raw_s[0], w_s[1], raw_s[1]);
-    if (item + warps < items) tile(item + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
+  for (int kt = warp; kt < k_tiles; kt += 2 * warps) {
+    tile(kt, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+    if (kt + warps < k_tiles) tile(kt + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
   }
 
   // The warps' partial tiles (after the staged rows: [warps][M_TILES][32]),

@@ -136,18 +136,15 @@ def test_deterministic_with_split_k(M):
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
-@pytest.mark.parametrize("split", [None, 1, 2, 4])
 @pytest.mark.parametrize("M", [1, 5, 16, 17])
-def test_latency_kernel_deterministic_and_warp_counts(monkeypatch, M, split):
-    """gemm_latency.cu with one work item per warp, several per warp (fewer
-    warps than items: the register double buffer), and long rows (fewer
-    rows of A per launch), with 1, 2 or 4 warps per K tile (None: gemm.py's
-    choice): exact to the reference and the same bits again."""
+def test_latency_kernel_deterministic_and_warp_counts(monkeypatch, M):
+    """gemm_latency.cu with one K tile per warp, several per warp (fewer
+    warps than K tiles: the register double buffer), and long rows (fewer
+    rows of A per launch): exact to the reference and the same bits again."""
     import cupy as cp
 
     from kbit_cupy import gemm
 
-    monkeypatch.setattr(gemm, "_LATENCY_SPLIT", split)
     for max_warps in (16, 3):
         monkeypatch.setattr(gemm._jit, "GEMM_LATENCY_MAX_WARPS", max_warps)
         for N, K_dim, k in [(768, 2048, 4), (300, 4352, 3), (40, 14336, 2), (129, 800, 5)]:
