@@ -215,6 +215,42 @@ def fmt(v) -> str:
     return str(v)
 
 
+COLUMNS = ["layer", "M", "mode", "cublas_fp16_us", *(f"x_{n}" for n in PEERS),
+           *(f"x_kbit_k{k}" for k in KBITS), *(f"lead_k{k}" for k in KBITS)]
+
+
+def save(records, checks, errors, info, notes, args, final: bool):
+    """Sort the records, write PREFIX.json / .md where --out asks (after every layer, so
+    a run cut short keeps its finished layers; ``final``: also print the table).
+    Returns (failed sanity checks, where kbit is behind a peer)."""
+    from kbit_cupy.bench import harness
+
+    records.sort(key=lambda r: (r["mode"] != "graph", args.layers.index(r["layer"]), r["M"]))
+    bad = [c for c in checks if not c["ok"]]
+    lost = [f"{r['layer']} M={r['M']} {r['mode']} k={k}" for r in records for k in KBITS
+            if r.get(f"lead_k{k}") is False]
+    if final:
+        print()
+        print("| " + " | ".join(COLUMNS) + " |")
+        for r in records:
+            print("| " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |")
+    if args.out:
+        done = sorted({r["layer"] for r in records}, key=args.layers.index)
+        meta = {**info, **notes, "method": harness.METHOD, "reps": args.reps,
+                "graph_reps": args.graph_reps, "replays": args.replays,
+                "bits_per_weight": BITS, "checks": checks, "errors": errors,
+                "behind_a_peer": lost, "complete": final,
+                "layers_done": " ".join(done) + ("" if final else " (run in progress or cut)"),
+                "ratios": "x_* = cublas_fp16_us / op_us, kernel-only (graph) and eager rows; "
+                          "lead_kN: kbit k=N faster than every peer with >= its bits per weight"}
+        harness.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
+                              columns=COLUMNS,
+                              title="kbit_gemm vs cuBLAS fp16 and peers, one GPU, one process")
+        if final:
+            print(f"wrote {args.out}.json and {args.out}.md")
+    return bad, lost
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -344,34 +380,14 @@ def main(argv=None) -> int:
         del builders, W16, W_cp
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
+        save(records, checks, errors, info, notes, args, final=False)  # a cut run keeps these
 
-    columns = ["layer", "M", "mode", "cublas_fp16_us",
-               *(f"x_{n}" for n in PEERS), *(f"x_kbit_k{k}" for k in KBITS),
-               *(f"lead_k{k}" for k in KBITS)]
-    records.sort(key=lambda r: (r["mode"] != "graph", args.layers.index(r["layer"]), r["M"]))
-    print()
-    print("| " + " | ".join(columns) + " |")
-    for r in records:
-        print("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |")
-    bad = [c for c in checks if not c["ok"]]
-    lost = [f"{r['layer']} M={r['M']} {r['mode']} k={k}" for r in records for k in KBITS
-            if r.get(f"lead_k{k}") is False]
+    bad, lost = save(records, checks, errors, info, notes, args, final=True)
     print(f"\nsanity: {len(checks) - len(bad)}/{len(checks)} ops within {GARBAGE} relative error")
     print("kbit behind a peer with as many bits or more at: " + (", ".join(lost) or "nowhere"))
     if errors:
         print(f"{len(errors)} errors: " + "; ".join(errors))
     print(f"total {time.time() - t_start:.0f} s")
-    if args.out:
-        meta = {**info, **notes, "method": harness.METHOD, "reps": args.reps,
-                "graph_reps": args.graph_reps, "replays": args.replays,
-                "bits_per_weight": BITS, "checks": checks, "errors": errors,
-                "behind_a_peer": lost,
-                "ratios": "x_* = cublas_fp16_us / op_us, kernel-only (graph) and eager rows; "
-                          "lead_kN: kbit k=N faster than every peer with >= its bits per weight"}
-        harness.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
-                              columns=columns,
-                              title="kbit_gemm vs cuBLAS fp16 and peers, one GPU, one process")
-        print(f"wrote {args.out}.json and {args.out}.md")
     return 3 if bad or errors else 0
 
 
