@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     for msg in errors:
         print(f"ERROR {msg}", flush=True)
 
-    for K, N in args.shapes:
+    for K, N in harness.progress(args.shapes, "layer"):
         label = f"{K}x{N}"
         gen = torch.Generator(device="cuda").manual_seed(0)
         W16 = (torch.randn((N, K), device="cuda", generator=gen) * 0.02).half()
