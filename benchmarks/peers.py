@@ -97,19 +97,29 @@ def parse_args(argv=None):
 # the peers: each builder returns op(A16) -> result, or raises
 
 
-def tinygemm_builder(torch, W16, group=128):
-    """torch's int4 tinygemm: asymmetric RTN over groups of ``group`` along K (bf16 A)."""
+def asymmetric_rtn(W16, nbits: int, group: int):
+    """Round to nearest over groups of ``group`` along K: (q [N, K] in 0 .. 2^nbits - 1,
+    lo and scale [N, K / group, 1], float32), so that w ~ q * scale + lo."""
     N, K = W16.shape
     w = W16.float().reshape(N, K // group, group)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(N, K)
+    levels = 2 ** nbits - 1
+    scale = ((hi - lo) / levels).clamp(min=1e-8)
+    q = ((w - lo) / scale).round().clamp(0, levels).reshape(N, K)
+    return q, lo, scale
+
+
+def tinygemm_builder(torch, W16, group=128):
+    """torch's int4 tinygemm: asymmetric RTN over groups of ``group`` along K (bf16 A)."""
+    N, K = W16.shape
+    q, lo, scale = asymmetric_rtn(W16, 4, group)
+    q = q.to(torch.int32)
     zero = lo + 8 * scale  # tinygemm: w = (q - 8) * scale + zero
     packed_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
     w_packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8.contiguous(), 8)
     sz = torch.cat([scale, zero], -1).reshape(N, K // group, 2).transpose(0, 1)
     sz = sz.contiguous().to(torch.bfloat16)  # [K / group, N, 2]
-    del w, q, packed_u8
+    del q, packed_u8
 
     def make(A16):
         A_bf = A16.to(torch.bfloat16)
@@ -122,16 +132,12 @@ def gemlite_builder(torch, W16, nbits, group=128):
     """gemlite A16Wn: asymmetric RTN int``nbits`` over groups of ``group``, fp16 scale/zero."""
     import gemlite
 
-    N, K = W16.shape
-    w = W16.float().reshape(N, K // group, group)
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    levels = 2 ** nbits - 1
-    scale = ((hi - lo) / levels).clamp(min=1e-8)
+    N = W16.shape[0]
+    q, lo, scale = asymmetric_rtn(W16, nbits, group)
     zero = -lo / scale  # gemlite (HQQ convention): w = (q - zero) * scale
-    q = ((w - lo) / scale).round().clamp(0, levels).to(torch.uint8).reshape(N, K)
     layer = gemlite.helper.A16Wn(device="cuda:0", dtype=torch.float16).from_weights(
-        q, scale.reshape(N, -1).half(), zero.reshape(N, -1).half(), nbits, group)
-    del w, q
+        q.to(torch.uint8), scale.reshape(N, -1).half(), zero.reshape(N, -1).half(), nbits, group)
+    del q
 
     def make(A16):
         return lambda: layer(A16)
@@ -181,9 +187,7 @@ def time_all(ops, br, args):
     eager = {} if args.no_eager else harness.time_ops(ops, reps=args.reps, warmup=3)
     out = {}
     for name, op in ops.items():
-        r = None
-        with contextlib.redirect_stderr(sys.stdout):
-            r = harness.time_graph(op, reps=args.graph_reps, warmup=2, replays=args.replays)
+        r = harness.time_graph(op, reps=args.graph_reps, warmup=2, replays=args.replays)
         g = r["median_us"] if r is not None else None
         if g is None and name in br.raw:
             print(f"{name}: CuPy's capture failed; capturing with torch.cuda.graph", flush=True)
