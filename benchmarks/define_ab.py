@@ -17,6 +17,8 @@ the default build's.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 
 import cupy as cp
 import numpy as np
@@ -27,38 +29,47 @@ from kbit_cupy._arrays import BFLOAT16
 from kbit_cupy.bench import harness as bench
 
 
+@contextlib.contextmanager
+def kernels_built_with(options):
+    """Inside: kbit_cupy compiles its kernels with the extra compiler ``options``
+    (e.g. ``("-DKBIT_CROW_CHUNK=1",)``), from an empty kernel cache; on exit the
+    options and the cache are restored. Plans made inside keep their kernels."""
+    saved_opts, saved_cache = _jit.compile_options, dict(_jit._kernels)
+    _jit._kernels.clear()
+    _jit.compile_options = lambda: (*saved_opts(), *options)
+    try:
+        yield
+    finally:
+        _jit.compile_options = saved_opts
+        _jit._kernels.clear()
+        _jit._kernels.update(saved_cache)
+
+
 def kbit_variant(W, k: int, defines: dict, As, kernel: str = "auto"):
     """A prepared weight whose kernels are compiled with ``-DNAME=VALUE`` for
     each of ``defines``; its launch plans for each A in ``As`` are made here,
     on the harness stream (plans are per stream), with those kernels. A name
     with a dot, ``module.ATTR`` (a module of kbit_cupy), is instead set as
     that module's attribute (an int) while the plans are made, then restored."""
-    import importlib
-
-    attrs = {n: v for n, v in defines.items() if "." in n}
-    defines = {n: v for n, v in defines.items() if "." not in n}
-    saved_attrs = {}
-    for name, value in attrs.items():
-        mod_name, attr = name.rsplit(".", 1)
-        mod = importlib.import_module(f"kbit_cupy.{mod_name}")
-        saved_attrs[name] = (mod, attr, getattr(mod, attr))
-        setattr(mod, attr, int(value))
-    saved_opts, saved_cache = _jit.compile_options, dict(_jit._kernels)
-    _jit._kernels.clear()
-    _jit.compile_options = lambda: (*saved_opts(), *(f"-D{n}={v}" for n, v in defines.items()))
+    saved_attrs = []
+    for name, value in defines.items():
+        if "." in name:
+            mod_name, attr = name.rsplit(".", 1)
+            mod = importlib.import_module(f"kbit_cupy.{mod_name}")
+            saved_attrs.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, int(value))
+    options = [f"-D{n}={v}" for n, v in defines.items() if "." not in n]
     try:
-        w = kc.quantize_weight(W, k=k).prepare()
-        cp.cuda.Device().synchronize()
-        with bench._bench_stream():
-            for A in As:
-                kc.kbit_gemm(A, w, kernel=kernel)
-        cp.cuda.Device().synchronize()
-        return w
+        with kernels_built_with(options):
+            w = kc.quantize_weight(W, k=k).prepare()
+            cp.cuda.Device().synchronize()
+            with bench._bench_stream():
+                for A in As:
+                    kc.kbit_gemm(A, w, kernel=kernel)
+            cp.cuda.Device().synchronize()
+            return w
     finally:
-        _jit.compile_options = saved_opts
-        _jit._kernels.clear()
-        _jit._kernels.update(saved_cache)
-        for mod, attr, value in saved_attrs.values():
+        for mod, attr, value in saved_attrs:
             setattr(mod, attr, value)
 
 

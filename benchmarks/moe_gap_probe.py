@@ -9,7 +9,7 @@ experts of [1536, 2048], top-8, T tokens (8T rows):
   moe_linear): the indirection and the division;
 - moe_linear (validate=False): routing launch + the grouped launch;
 - route only: the routing launch (kernels_src/moe_route.cu) alone.
-Usage: PYTHONPATH=. python benchmarks/moe_gap_probe.py [--t 128 512] [--ab KBIT_CROW_FIRST=0]
+Usage: PYTHONPATH=. python benchmarks/moe_gap_probe.py [--t 128 512] [--ab KBIT_CROW_CHUNK=1]
 """
 
 from __future__ import annotations
@@ -145,8 +145,9 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
     import copy
 
     import cupy as cp
+    from define_ab import kernels_built_with
 
-    from kbit_cupy import _jit, kbit_grouped_gemm, moe_linear
+    from kbit_cupy import kbit_grouped_gemm, moe_linear
     from kbit_cupy.bench import harness
 
     ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
@@ -160,18 +161,10 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
                                                                         validate=False),
                 f"moe_linear {label}": lambda w=w, out3=out3: moe_linear(x, ids, w, out=out3,
                                                                          validate=False)}
-        saved_opts, saved_cache = _jit.compile_options, dict(_jit._kernels)
-        _jit._kernels.clear()
-        _jit.compile_options = lambda saved_opts=saved_opts, opts=opts: (*saved_opts(), *opts)
-        try:
-            with harness._bench_stream():  # plans are per stream: made here, with these kernels
-                for name, op in pair.items():
-                    outs[name] = op().copy()
+        with kernels_built_with(opts), harness._bench_stream():
+            for name, op in pair.items():  # plans are per stream: made here, with these kernels
+                outs[name] = op().copy()
             cp.cuda.Device().synchronize()
-        finally:
-            _jit.compile_options = saved_opts
-            _jit._kernels.clear()
-            _jit._kernels.update(saved_cache)
         ops.update(pair)
     for kind in ("grouped", "moe_linear"):
         same = bool((outs[f"{kind} default"].view(cp.uint16)
