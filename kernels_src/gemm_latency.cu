@@ -44,12 +44,47 @@ namespace kbit {
 
 constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WARPS)
 
+// Phase stamps, for benchmarks/latency_phases.py only (it builds this file with
+// -DKBIT_LATENCY_PHASES; otherwise they compile to nothing): lane 0 of each warp
+// of the first kPhaseCtas CTAs writes the global timer (ns) and its SM's clock
+// at point p of the kernel to kbit_latency_phases[cta][warp][p][0, 1].
+// latency_phase_after first stores `dep` (a loaded word) to a sink: the store
+// waits for the load, so the stamp after it is when that load's data arrived.
+constexpr int kPhaseCtas = 2048, kPhasePoints = 8;
+#ifdef KBIT_LATENCY_PHASES
+extern "C" {  // unmangled names: RawModule.get_global finds them
+__device__ unsigned long long kbit_latency_phases[kPhaseCtas * kLatencyMaxWarps * kPhasePoints * 2];
+__device__ unsigned kbit_latency_phase_sink[kLatencyMaxWarps];
+}
+#endif
+__device__ __forceinline__ void latency_phase(int point) {
+#ifdef KBIT_LATENCY_PHASES
+  if ((threadIdx.x & 31) == 0 && blockIdx.x < kPhaseCtas) {
+    unsigned long long t, c;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+    unsigned long long* p = kbit_latency_phases +
+        ((blockIdx.x * kLatencyMaxWarps + (threadIdx.x >> 5)) * kPhasePoints + point) * 2;
+    p[0] = t;
+    p[1] = c;
+  }
+#endif
+}
+__device__ __forceinline__ void latency_phase_after(int point, unsigned dep) {
+#ifdef KBIT_LATENCY_PHASES
+  if ((threadIdx.x & 31) == 0)
+    *reinterpret_cast<volatile unsigned*>(kbit_latency_phase_sink + (threadIdx.x >> 5)) = dep;
+  latency_phase(point);
+#endif
+}
+
 template <int K, typename T, typename TScale, int M_TILES>
 __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C, int M,
     int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
     int experts) {
+  latency_phase(0);  // entry
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -129,6 +164,8 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   __syncthreads();  // the staged rows, the zero row and the tables
+  latency_phase(2);  // staging done
+  if (warp < k_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
 
   // ldmatrix: lane l gives the address of row 8mt + (l & 7), chunk 4j + (l >> 3)
   // of the K tile (block j): with the swizzle, 8(j >> 1) + ((4(j & 1) + (l >> 3))
@@ -204,6 +241,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     if (kt + warps < k_tiles) tile(kt + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
   }
 
+  latency_phase(3);  // this warp's tiles decoded and multiplied
   // The warps' partial tiles (after the staged rows: [warps][M_TILES][32]),
   // added in warp order.
   float4* red = reinterpret_cast<float4*>(x_stage + rows * stride);
@@ -211,6 +249,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   for (int mt = 0; mt < M_TILES; ++mt)
     red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
   __syncthreads();
+  latency_phase(4);  // partial tiles in shared memory
   for (int i = threadIdx.x; i < M_TILES * 32; i += blockDim.x) {
     const int mt = i >> 5, l = i & 31;
     float4 s = red[mt * 32 + l];
@@ -229,6 +268,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
       if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, v[c]);
     }
   }
+  latency_phase(5);  // exit
 }
 
 }  // namespace kbit

@@ -1,0 +1,207 @@
+"""Where the latency kernel's time goes: phase stamps inside gemm_latency.cu (device only).
+
+The kernel is built with -DKBIT_LATENCY_PHASES, which makes lane 0 of every
+warp write the global timer (ns) and its SM's clock at six points:
+
+    0 entry                          3 the warp's K tiles decoded and multiplied
+    1 the first weight tile arrived  4 the partial tiles in shared memory
+    2 the staged rows of A ready     5 exit
+
+The public call (``kbit_gemm(..., kernel="latency")``, launch plan as the
+package makes it) runs in a CUDA graph of (256 MB overwrite, call), the
+TARGETS.md cold-L2 setting; after each replay the stamps are read back.
+Printed per (layer, k, M), as medians over the replays:
+
+- ``start spread``: the last CTA's entry after the first's (how the grid is
+  laid onto the SMs);
+- per point, the time since the CTA's own entry, of the median CTA and of
+  the slowest CTA (over the CTA's warps: the last to get there);
+- ``span``: the last exit after the first entry, against the kernel-only
+  time of the same call (harness.time_graph) with and without the stamps.
+
+    PYTHONPATH=. python benchmarks/latency_phases.py --layers 2048x768 768x2048 --k 2 4 --m 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+import numpy as np
+
+POINTS = ("weights in", "A staged", "decoded", "reduced", "exit")  # points 1..5
+
+
+def probed_kernels(k: int, dtype_name: str, scale_name: str):
+    """Build the gemm_latency variants of (k, dtype, scale) with the stamps, put
+    them in the package's kernel cache, and return their modules."""
+    import cupy as cp
+
+    from kbit_cupy import _jit
+
+    modules = []
+    for m_tiles in _jit.GEMM_LATENCY_M_TILES:
+        args = (k, dtype_name, scale_name, m_tiles)
+        name = _jit.kernel_name("gemm_latency", *args)
+        module = cp.RawModule(
+            code=_jit.render_source("gemm_latency"),
+            options=_jit.compile_options(),
+            name_expressions=[name],
+        )
+        _jit._kernels[("gemm_latency", args, cp.cuda.runtime.getDevice())] = module.get_function(
+            name
+        )
+        modules.append(module)
+    return modules
+
+
+def stamps_view(module, ctas_cap: int, max_warps: int, points: int):
+    """The module's stamp array as a [ctas_cap, max_warps, points, 2] uint64 CuPy view."""
+    import cupy as cp
+
+    ptr = module.get_global("kbit_latency_phases")
+    n = ctas_cap * max_warps * points * 2
+    mem = cp.cuda.UnownedMemory(ptr.ptr, n * 8, module)
+    return cp.ndarray((ctas_cap, max_warps, points, 2), cp.uint64, cp.cuda.MemoryPointer(mem, 0))
+
+
+def summarize(samples: list[np.ndarray]) -> dict:
+    """Medians over replays of the per-replay figures (ns, from the global timer)."""
+    rows = []
+    for st in samples:  # [ctas, warps, points, 2], zero where a warp did not stamp
+        t = st[..., 0].astype(np.float64)
+        used = t[:, :, 0] > 0  # warps that ran
+        entry = np.where(used, t[:, :, 0], np.inf).min(axis=1)  # per CTA
+        rec = {"spread": entry.max() - entry.min()}
+        for p in range(1, 6):
+            tp = np.where(used & (t[:, :, p] > 0), t[:, :, p], -np.inf).max(axis=1) - entry
+            tp = tp[np.isfinite(tp)]
+            rec[f"p{p}_med"] = float(np.median(tp)) if tp.size else float("nan")
+            rec[f"p{p}_max"] = float(tp.max()) if tp.size else float("nan")
+        rec["span"] = float(np.where(used, t[:, :, 5], -np.inf).max() - entry.min())
+        c = st[..., 1].astype(np.float64)  # SM clocks: cycles per ns over each CTA's life
+        dt, dc = t[:, :, 5] - t[:, :, 0], c[:, :, 5] - c[:, :, 0]
+        ok = used & (dt > 0)
+        rec["ghz"] = float(np.median(dc[ok] / dt[ok])) if ok.any() else float("nan")
+        rows.append(rec)
+    return {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
+
+
+def phases(module, ctas: int, weight, A, out, stream, replays: int) -> tuple[dict, int]:
+    """Stamps of ``replays`` graph replays of (256 MB overwrite, the latency call):
+    (summarize's medians, warps per CTA)."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, kbit_gemm
+    from kbit_cupy.bench import harness
+
+    view = stamps_view(module, 2048, _jit.GEMM_LATENCY_MAX_WARPS, 8)
+    samples = []
+    with stream:
+        flush = harness._flusher(harness.DEFAULT_FLUSH_BYTES)
+
+        def body():
+            flush()
+            kbit_gemm(A, weight, out=out, kernel="latency")
+
+        graph = harness._capture(stream, body)
+        for r in range(replays + 2):  # two warm-up replays
+            view.fill(0)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            if r >= 2:
+                samples.append(cp.asnumpy(view[:ctas]))
+        del graph
+    warps = int((samples[0][:, :, 0, 0] > 0).sum(axis=1).max())
+    return summarize(samples), warps
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", nargs="+", default=["2048x768", "768x2048", "2048x512", "4096x4096"])
+    p.add_argument("--k", nargs="+", type=int, default=[2, 4])
+    p.add_argument("--m", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--replays", type=int, default=15)
+    args = p.parse_args()
+
+    import cupy as cp
+    from define_ab import kernels_built_with
+
+    from kbit_cupy import _jit, kbit_gemm, quantize_weight
+    from kbit_cupy._arrays import BFLOAT16
+    from kbit_cupy.bench import harness
+
+    dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
+    info = harness.gpu_info()
+    print(
+        f"{info['gpu']}  commit {os.environ.get('KBIT_COMMIT', info.get('commit'))}  "
+        f"{args.dtype}, cold L2, graph replays {args.replays}",
+        flush=True,
+    )
+    print("times in us since each CTA's entry: median CTA / slowest CTA")
+    head = (
+        f"{'layer':>10} {'k':>2} {'M':>3} {'CTAs':>5} {'warps':>5} {'spread':>6} "
+        + " ".join(f"{n:>13}" for n in POINTS)
+        + f" {'span':>6} {'graph':>6} {'plain':>6} {'GHz':>5}"
+    )
+    print(head, flush=True)
+    for layer in args.layers:
+        K_dim, N = (int(v) for v in layer.lower().split("x"))
+        W = (
+            cp.random.default_rng(0).standard_normal((N, K_dim), dtype=cp.float32)
+            * np.float32(0.02)
+        ).astype(cp.float16)
+        for k in args.k:
+            plain_w = quantize_weight(W, k=k).prepare()
+            probe_w = quantize_weight(W, k=k).prepare()
+            cp.cuda.Device().synchronize()  # prepare() ran on the default stream
+            stream = harness._bench_stream()
+            As, outs_q = {}, {}
+            with stream:  # plans are per stream: make them on the harness's, plain ones first
+                for M in args.m:
+                    As[M] = (
+                        cp.random.default_rng(1)
+                        .standard_normal((M, K_dim), dtype=cp.float32)
+                        .astype(dtype)
+                    )
+                    outs_q[M] = cp.empty((M, N), dtype)
+                    kbit_gemm(As[M], plain_w, out=outs_q[M], kernel="latency")
+            with kernels_built_with(("-DKBIT_LATENCY_PHASES",)):
+                modules = probed_kernels(k, dtype.name, probe_w.absmax.dtype.name)
+                for M in args.m:
+                    A, out_q, out_p = As[M], outs_q[M], cp.empty((M, N), dtype)
+                    with stream:
+                        kbit_gemm(A, probe_w, out=out_p, kernel="latency")
+                        stream.synchronize()
+                    if not bool(cp.all(out_p == out_q)):
+                        print(f"  MISMATCH {layer} k={k} M={M}: stamped and plain kernels differ")
+                    m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
+                    module = modules[_jit.GEMM_LATENCY_M_TILES.index(m_tiles)]
+                    s, warps = phases(
+                        module, (N + 15) // 16, probe_w, A, out_p, stream, args.replays
+                    )
+                    t_probe = harness.time_graph(
+                        functools.partial(kbit_gemm, A, probe_w, out=out_p, kernel="latency"),
+                        reps=20,
+                    )
+                    t_plain = harness.time_graph(
+                        functools.partial(kbit_gemm, A, plain_w, out=out_q, kernel="latency"),
+                        reps=20,
+                    )
+                    cells = " ".join(
+                        f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
+                        for i in range(1, 6)
+                    )
+                    print(
+                        f"{layer:>10} {k:>2} {M:>3} {(N + 15) // 16:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "
+                        f"{cells} {s['span'] / 1e3:6.2f} {t_probe['median_us']:6.2f} "
+                        f"{t_plain['median_us']:6.2f} {s['ghz']:5.2f}",
+                        flush=True,
+                    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
