@@ -67,25 +67,38 @@ def stamps_view(module, ctas_cap: int, max_warps: int, points: int):
 
 
 def summarize(samples: list[np.ndarray]) -> dict:
-    """Medians over replays of the per-replay figures (ns, from the global timer)."""
+    """Medians over replays of the per-replay figures. Times within a CTA come
+    from its SM's clock (the global timer ticks in 256 ns steps on the H100),
+    converted at the clock rate measured over all replays (clock cycles over
+    global-timer ns between entry and exit, summed); the start spread and the
+    span, across SMs, from the global timer."""
+    used_all = [st[:, :, 0, 0] > 0 for st in samples]
+    dc = sum(
+        float((st[..., 5, 1].astype(np.float64) - st[..., 0, 1])[u & (st[..., 5, 1] > 0)].sum())
+        for st, u in zip(samples, used_all)
+    )
+    dt = sum(
+        float((st[..., 5, 0].astype(np.float64) - st[..., 0, 0])[u & (st[..., 5, 0] > 0)].sum())
+        for st, u in zip(samples, used_all)
+    )
+    ghz = dc / dt if dt > 0 else float("nan")
     rows = []
-    for st in samples:  # [ctas, warps, points, 2], zero where a warp did not stamp
+    for st, used in zip(samples, used_all):  # [ctas, warps, points, 2], zero: no stamp
         t = st[..., 0].astype(np.float64)
-        used = t[:, :, 0] > 0  # warps that ran
-        entry = np.where(used, t[:, :, 0], np.inf).min(axis=1)  # per CTA
-        rec = {"spread": entry.max() - entry.min()}
+        c = st[..., 1].astype(np.float64)
+        entry_t = np.where(used, t[:, :, 0], np.inf).min(axis=1)  # per CTA
+        entry_c = np.where(used, c[:, :, 0], np.inf).min(axis=1)
+        rec = {"spread": entry_t.max() - entry_t.min()}
         for p in range(1, 6):
-            tp = np.where(used & (t[:, :, p] > 0), t[:, :, p], -np.inf).max(axis=1) - entry
-            tp = tp[np.isfinite(tp)]
-            rec[f"p{p}_med"] = float(np.median(tp)) if tp.size else float("nan")
-            rec[f"p{p}_max"] = float(tp.max()) if tp.size else float("nan")
-        rec["span"] = float(np.where(used, t[:, :, 5], -np.inf).max() - entry.min())
-        c = st[..., 1].astype(np.float64)  # SM clocks: cycles per ns over each CTA's life
-        dt, dc = t[:, :, 5] - t[:, :, 0], c[:, :, 5] - c[:, :, 0]
-        ok = used & (dt > 0)
-        rec["ghz"] = float(np.median(dc[ok] / dt[ok])) if ok.any() else float("nan")
+            cp_ = np.where(used & (c[:, :, p] > 0), c[:, :, p], -np.inf).max(axis=1) - entry_c
+            cp_ = cp_[np.isfinite(cp_)] / ghz
+            rec[f"p{p}_med"] = float(np.median(cp_)) if cp_.size else float("nan")
+            rec[f"p{p}_max"] = float(cp_.max()) if cp_.size else float("nan")
+        rec["span"] = float(np.where(used, t[:, :, 5], -np.inf).max() - entry_t.min())
         rows.append(rec)
-    return {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
+    out = {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
+    out["ghz"] = ghz
+    return out
 
 
 def phases(module, ctas: int, weight, A, out, stream, replays: int) -> tuple[dict, int]:
@@ -124,12 +137,18 @@ def main() -> int:
     p.add_argument("--m", nargs="+", type=int, default=[1, 16])
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--replays", type=int, default=15)
+    p.add_argument(
+        "--define",
+        action="append",
+        default=[],
+        help="NAME=VALUE: also compile the stamped kernels with -DNAME=VALUE",
+    )
     args = p.parse_args()
 
     import cupy as cp
     from define_ab import kernels_built_with
 
-    from kbit_cupy import _jit, kbit_gemm, quantize_weight
+    from kbit_cupy import _jit, gemm, kbit_gemm, quantize_weight
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
@@ -137,7 +156,7 @@ def main() -> int:
     info = harness.gpu_info()
     print(
         f"{info['gpu']}  commit {os.environ.get('KBIT_COMMIT', info.get('commit'))}  "
-        f"{args.dtype}, cold L2, graph replays {args.replays}",
+        f"{args.dtype}, cold L2, graph replays {args.replays}, defines {args.define}",
         flush=True,
     )
     print("times in us since each CTA's entry: median CTA / slowest CTA")
@@ -160,7 +179,7 @@ def main() -> int:
             stream = harness._bench_stream()
             As, outs_q = {}, {}
             with stream:  # plans are per stream: make them on the harness's, plain ones first
-                for M in args.m:
+                for M in [m for m in args.m if m <= gemm._latency_rows(K_dim, 2)]:
                     As[M] = (
                         cp.random.default_rng(1)
                         .standard_normal((M, K_dim), dtype=cp.float32)
@@ -168,15 +187,18 @@ def main() -> int:
                     )
                     outs_q[M] = cp.empty((M, N), dtype)
                     kbit_gemm(As[M], plain_w, out=outs_q[M], kernel="latency")
-            with kernels_built_with(("-DKBIT_LATENCY_PHASES",)):
+            with kernels_built_with(("-DKBIT_LATENCY_PHASES", *(f"-D{d}" for d in args.define))):
                 modules = probed_kernels(k, dtype.name, probe_w.absmax.dtype.name)
-                for M in args.m:
-                    A, out_q, out_p = As[M], outs_q[M], cp.empty((M, N), dtype)
+                for M, A in As.items():
+                    out_q, out_p = outs_q[M], cp.empty((M, N), dtype)
                     with stream:
                         kbit_gemm(A, probe_w, out=out_p, kernel="latency")
                         stream.synchronize()
                     if not bool(cp.all(out_p == out_q)):
-                        print(f"  MISMATCH {layer} k={k} M={M}: stamped and plain kernels differ")
+                        print(
+                            f"  {layer} k={k} M={M}: stamped and plain kernels' bits differ"
+                            + (" (expected where a define changes the sums)" if args.define else "")
+                        )
                     m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
                     module = modules[_jit.GEMM_LATENCY_M_TILES.index(m_tiles)]
                     s, warps = phases(

@@ -175,11 +175,20 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage);
   const int my_row = lane & 7, my_chunk = lane >> 3;
 
-  float acc[M_TILES][4];
+  // KBIT_LATENCY_CHAINS independent accumulators per row tile (mma (2j + slab)
+  // of a K tile adds into chain (2j + slab) mod chains), added in chain order
+  // at the end: a warp's 16 mma per K tile are otherwise one dependent chain.
+#ifndef KBIT_LATENCY_CHAINS
+#define KBIT_LATENCY_CHAINS 1
+#endif
+  constexpr int kChains = KBIT_LATENCY_CHAINS;
+  float acc[kChains][M_TILES][4];
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
+  for (int c = 0; c < kChains; ++c)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[c][mt][i] = 0.0f;
 
   auto tile = [&](int kt, const unsigned (&w)[4 * K], const RawScale& raw,
                   unsigned (&w_next)[4 * K], RawScale& raw_next) {
@@ -231,7 +240,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
         for (int slab = 0; slab < 2; ++slab) {
           const unsigned a[4] = {wp[0][2 * slab], wp[1][2 * slab], wp[0][2 * slab + 1],
                                  wp[1][2 * slab + 1]};
-          Mma<T>::run(acc[mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
+          Mma<T>::run(acc[(2 * j + slab) % kChains][mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
         }
       }
     }
@@ -242,12 +251,18 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   }
 
   latency_phase(3);  // this warp's tiles decoded and multiplied
+#pragma unroll
+  for (int c = 1; c < kChains; ++c)
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][mt][i] += acc[c][mt][i];
   // The warps' partial tiles (after the staged rows: [warps][M_TILES][32]),
   // added in warp order.
   float4* red = reinterpret_cast<float4*>(x_stage + rows * stride);
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
-    red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]);
   __syncthreads();
   latency_phase(4);  // partial tiles in shared memory
   for (int i = threadIdx.x; i < M_TILES * 32; i += blockDim.x) {
