@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import os
 
 import numpy as np
@@ -101,9 +102,9 @@ def summarize(samples: list[np.ndarray]) -> dict:
     return out
 
 
-def phases(module, ctas: int, weight, A, out, stream, replays: int) -> tuple[dict, int]:
+def phases(module, weight, A, out, stream, replays: int) -> tuple[dict, int, int]:
     """Stamps of ``replays`` graph replays of (256 MB overwrite, the latency call):
-    (summarize's medians, warps per CTA)."""
+    (summarize's medians, CTAs, warps per CTA)."""
     import cupy as cp
 
     from kbit_cupy import _jit, kbit_gemm
@@ -124,10 +125,12 @@ def phases(module, ctas: int, weight, A, out, stream, replays: int) -> tuple[dic
             graph.launch(stream=stream)
             stream.synchronize()
             if r >= 2:
-                samples.append(cp.asnumpy(view[:ctas]))
+                samples.append(cp.asnumpy(view))
         del graph
+    ctas = int(np.flatnonzero((samples[0][:, :, 0, 0] > 0).any(axis=1)).max()) + 1
+    samples = [st[:ctas] for st in samples]
     warps = int((samples[0][:, :, 0, 0] > 0).sum(axis=1).max())
-    return summarize(samples), warps
+    return summarize(samples), ctas, warps
 
 
 def main() -> int:
@@ -141,7 +144,8 @@ def main() -> int:
         "--define",
         action="append",
         default=[],
-        help="NAME=VALUE: also compile the stamped kernels with -DNAME=VALUE",
+        help="NAME=VALUE: also compile the stamped kernels with -DNAME=VALUE; "
+        "module.ATTR=VALUE: set that int attribute of a kbit_cupy module for the whole run",
     )
     args = p.parse_args()
 
@@ -152,6 +156,12 @@ def main() -> int:
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
+    cdefs = [d for d in args.define if "." not in d.split("=")[0]]
+    for d in args.define:
+        if d not in cdefs:
+            name, value = d.split("=")
+            mod_name, attr = name.rsplit(".", 1)
+            setattr(importlib.import_module(f"kbit_cupy.{mod_name}"), attr, int(value))
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
     info = harness.gpu_info()
     print(
@@ -187,7 +197,7 @@ def main() -> int:
                     )
                     outs_q[M] = cp.empty((M, N), dtype)
                     kbit_gemm(As[M], plain_w, out=outs_q[M], kernel="latency")
-            with kernels_built_with(("-DKBIT_LATENCY_PHASES", *(f"-D{d}" for d in args.define))):
+            with kernels_built_with(("-DKBIT_LATENCY_PHASES", *(f"-D{d}" for d in cdefs))):
                 modules = probed_kernels(k, dtype.name, probe_w.absmax.dtype.name)
                 for M, A in As.items():
                     out_q, out_p = outs_q[M], cp.empty((M, N), dtype)
@@ -201,9 +211,7 @@ def main() -> int:
                         )
                     m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
                     module = modules[_jit.GEMM_LATENCY_M_TILES.index(m_tiles)]
-                    s, warps = phases(
-                        module, (N + 15) // 16, probe_w, A, out_p, stream, args.replays
-                    )
+                    s, ctas, warps = phases(module, probe_w, A, out_p, stream, args.replays)
                     t_probe = harness.time_graph(
                         functools.partial(kbit_gemm, A, probe_w, out=out_p, kernel="latency"),
                         reps=20,
@@ -217,7 +225,7 @@ def main() -> int:
                         for i in range(1, 6)
                     )
                     print(
-                        f"{layer:>10} {k:>2} {M:>3} {(N + 15) // 16:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "
+                        f"{layer:>10} {k:>2} {M:>3} {ctas:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "
                         f"{cells} {s['span'] / 1e3:6.2f} {t_probe['median_us']:6.2f} "
                         f"{t_plain['median_us']:6.2f} {s['ghz']:5.2f}",
                         flush=True,

@@ -903,22 +903,37 @@ def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
 _LATENCY_MIN_WARPS = 2
 
 
+# Half tiles: two CTAs per 16-row tile of W, each decoding 8 of its rows
+# (gemm_latency.cu), where the row tiles would leave SMs idle: 1 where there
+# are no more row tiles than SMs, 0 never, 2 always (the last two for A/B runs).
+_LATENCY_HALF_TILES = 1
+
+
+def _latency_half_tiles(row_tiles: int) -> bool:
+    """Whether gemm_latency runs half tiles for a weight of ``row_tiles`` row tiles."""
+    return _LATENCY_HALF_TILES == 2 or (_LATENCY_HALF_TILES == 1 and row_tiles <= _sm_count())
+
+
 def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     """Launch of gemm_latency.cu for ``M`` (<= _latency_rows) rows of A: one
-    CTA per 16-row tile of W, its warps splitting the K tiles
-    (latency_geometry). A and C are set per call."""
+    CTA per 16-row tile of W (or two, each taking 8 of its rows: half tiles),
+    its warps splitting the K tiles (latency_geometry). A and C are set per
+    call."""
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
+    half = _latency_half_tiles(rt_n)
+    ctas = 2 * rt_n if half else rt_n
     m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
     kern = _jit.get_kernel("gemm_latency", weight.k, dtype.name, weight.absmax.dtype.name, m_tiles)
-    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, rt_n)
-    return _launch.Launch(kern, (rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
-                          (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0))
+    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
+    return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
+                          (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
+                           int(half)))
 
 
 _LATENCY_ARG_TYPES = ((_launch.POINTER,) * 5 + (_launch.INT32,) * 4 + (_launch.POINTER,)
-                      + (_launch.INT32,) * 2)
+                      + (_launch.INT32,) * 3)
 
 
 _map_cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()

@@ -78,12 +78,31 @@ __device__ __forceinline__ void latency_phase_after(int point, unsigned dep) {
 #endif
 }
 
+// A half-tile CTA of the upper rows: the lane's index string shifted right by
+// 8K bits, so that fields 16j + 8 + i (rows g + 8 of block j) sit where fields
+// 16j + i (rows g) were; `upper` false: the string as it is.
+template <int K>
+__device__ __forceinline__ void select_upper(const unsigned (&w)[4 * K], bool upper,
+                                             unsigned (&out)[4 * K]) {
+  constexpr int kWords = 8 * K / 32, kBits = 8 * K % 32;
+#pragma unroll
+  for (int i = 0; i < 4 * K; ++i) {
+    unsigned shifted = 0u;
+    if (i + kWords < 4 * K) {
+      if (kBits == 0) shifted = w[i + kWords];
+      else if (i + kWords + 1 < 4 * K) shifted = __funnelshift_r(w[i + kWords], w[i + kWords + 1], kBits);
+      else shifted = w[i + kWords] >> kBits;
+    }
+    out[i] = upper ? shifted : w[i];
+  }
+}
+
 template <int K, typename T, typename TScale, int M_TILES>
 __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C, int M,
     int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
-    int experts) {
+    int experts, int half_tiles) {
   latency_phase(0);  // entry
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
@@ -91,6 +110,10 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   const unsigned lane4 = 4u * lane;
   const int g = lane >> 2;
   int rt = blockIdx.x;
+  // Half tiles (half_tiles != 0, never with route_ids): two CTAs per row tile,
+  // CTA 2 rt + upper decoding only rows 8 upper .. 8 upper + 7 of it.
+  const bool upper = half_tiles && (blockIdx.x & 1);
+  if (half_tiles) rt = blockIdx.x >> 1;
   int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
   long long tile0 = 0;             // the first tile of W (of the pair's expert)
   if (route_ids) {
@@ -190,20 +213,35 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[c][mt][i] = 0.0f;
 
-  auto tile = [&](int kt, const unsigned (&w)[4 * K], const RawScale& raw,
+  // One K tile: decode, scale, multiply. kHalf (a half-tile CTA): only the
+  // rows of `upper`, brought to the places of rows g by shifting the lane's
+  // index string (select_upper) and decoded as rows g; rows g + 8 of the mma
+  // are zero, so its rows g are the CTA's rows, in the same bits as a whole
+  // tile's mma gives them.
+  auto tile = [&](bool kHalf, int kt, const unsigned (&w_in)[4 * K], const RawScale& raw,
                   unsigned (&w_next)[4 * K], RawScale& raw_next) {
     if (kt + warps < k_tiles) load_tile(kt + warps, w_next, raw_next);
+    unsigned w[4 * K];
+    if (kHalf) {  // a constant where inlined (all_tiles)
+      select_upper<K>(w_in, upper, w);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4 * K; ++i) w[i] = w_in[i];
+    }
     unsigned sw_lo[2 * ScaleWord<TScale>::kBytes / 4], sw_hi[2 * ScaleWord<TScale>::kBytes / 4];
+    const int lo_lane = 2 * g + (kHalf && upper ? 16 : 0);  // kHalf: the CTA's rows in sw_lo
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if constexpr (sizeof(TScale) == 1) {
-        sw_lo[half] = __shfl_sync(kFullMask, raw, 2 * g + half);
-        sw_hi[half] = __shfl_sync(kFullMask, raw, 2 * g + 16 + half);
+        sw_lo[half] = __shfl_sync(kFullMask, raw, lo_lane + half);
+        if (!kHalf) sw_hi[half] = __shfl_sync(kFullMask, raw, 2 * g + 16 + half);
       } else {
-        sw_lo[2 * half] = __shfl_sync(kFullMask, raw.x, 2 * g + half);
-        sw_lo[2 * half + 1] = __shfl_sync(kFullMask, raw.y, 2 * g + half);
-        sw_hi[2 * half] = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
-        sw_hi[2 * half + 1] = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
+        sw_lo[2 * half] = __shfl_sync(kFullMask, raw.x, lo_lane + half);
+        sw_lo[2 * half + 1] = __shfl_sync(kFullMask, raw.y, lo_lane + half);
+        if (!kHalf) {
+          sw_hi[2 * half] = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
+          sw_hi[2 * half + 1] = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
+        }
       }
     }
     unsigned x_even[M_TILES], x_odd[M_TILES];
@@ -219,6 +257,11 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
       unsigned wp[2][4];  // [h][pair p]: columns (8p + 2t, +1) of row g + 8h, block j
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        if (kHalf && h == 1) {
+#pragma unroll
+          for (int p = 0; p < 4; ++p) wp[1][p] = 0u;
+          continue;
+        }
         // (scale, scale) of row g + 8h, block j
         const unsigned sp = block_scale_pair<T, TScale, kAluScale>(h ? sw_hi : sw_lo, j, scale_pair);
 #pragma unroll
@@ -245,10 +288,16 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
       }
     }
   };
-  for (int kt = warp; kt < k_tiles; kt += 2 * warps) {
-    tile(kt, w_s[0], raw_s[0], w_s[1], raw_s[1]);
-    if (kt + warps < k_tiles) tile(kt + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
-  }
+  auto all_tiles = [&](bool kHalf) {
+    for (int kt = warp; kt < k_tiles; kt += 2 * warps) {
+      tile(kHalf, kt, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+      if (kt + warps < k_tiles) tile(kHalf, kt + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
+    }
+  };
+  if (half_tiles)  // two inlined copies, each compiled for its constant
+    all_tiles(true);
+  else
+    all_tiles(false);
 
   latency_phase(3);  // this warp's tiles decoded and multiplied
 #pragma unroll
@@ -265,23 +314,25 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]);
   __syncthreads();
   latency_phase(4);  // partial tiles in shared memory
-  for (int i = threadIdx.x; i < M_TILES * 32; i += blockDim.x) {
-    const int mt = i >> 5, l = i & 31;
-    float4 s = red[mt * 32 + l];
-    for (int w = 1; w < warps; ++w) {
-      const float4 v = red[(w * M_TILES + mt) * 32 + l];
-      s.x += v.x;
-      s.y += v.y;
-      s.z += v.z;
-      s.w += v.w;
-    }
-    const float v[4] = {s.x, s.y, s.z, s.w};
+  // One thread per accumulator (mt, lane l, element c): the warps' values are
+  // all loaded, then added in warp order. Element c of lane l is row
+  // rt * 16 + l / 4 + 8 (c / 2) of W (of a half tile: rt * 16 + 8 upper + l / 4,
+  // c < 2), row mt * 8 + 2 (l % 4) + c % 2 of A.
+  const float* red_f = reinterpret_cast<const float*>(red);
+  for (int i = threadIdx.x; i < M_TILES * 128; i += blockDim.x) {
+    const int mt = i >> 7, l = (i >> 2) & 31, c = i & 3;
+    if (half_tiles && c >= 2) continue;
+    float v[kLatencyMaxWarps];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int n = rt * 16 + (l >> 2) + 8 * (c >> 1);
-      const int m = mt * 8 + 2 * (l & 3) + (c & 1);
-      if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, v[c]);
-    }
+    for (int w = 0; w < kLatencyMaxWarps; ++w)
+      if (w < warps) v[w] = red_f[(w * M_TILES + mt) * 128 + 4 * l + c];
+    float s = v[0];
+#pragma unroll
+    for (int w = 1; w < kLatencyMaxWarps; ++w)
+      if (w < warps) s += v[w];
+    const int n = rt * 16 + (l >> 2) + 8 * (half_tiles ? (int)upper : c >> 1);
+    const int m = mt * 8 + 2 * (l & 3) + (c & 1);
+    if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, s);
   }
   latency_phase(5);  // exit
 }

@@ -154,6 +154,26 @@ def test_latency_kernel_deterministic_and_warp_counts(monkeypatch, M):
                 assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
+@pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latency_half_tiles_same_bits_as_whole_tiles(monkeypatch, dtype, fmt):
+    """Two CTAs per row tile, each decoding 8 of its rows, give the whole
+    tile's bits (the mma's rows are independent), write every element (odd N:
+    a last half tile with no rows, or a part of one) and match the reference."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    for M, N, K_dim, k in [(1, 8, 32, 2), (3, 40, 2048, 3), (17, 129, 800, 4), (16, 300, 256, 5),
+                           (5, 24, 4352, 2), (1, 768, 2048, 4), (8, 2100, 512, 3)]:
+        outs = {}
+        for mode in (0, 2):  # whole tiles, half tiles
+            monkeypatch.setattr(gemm, "_LATENCY_HALF_TILES", mode)
+            _, _, C = run_case(M, N, K_dim, k, dtype, "latency", fmt=fmt, seed=N)
+            outs[mode] = C
+        assert (outs[0].view(cp.uint16) == outs[2].view(cp.uint16)).all(), (M, N, K_dim, k)
+
+
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize(
     ("kernel", "M"),
