@@ -904,14 +904,17 @@ _LATENCY_MIN_WARPS = 2
 
 
 # Half tiles: two CTAs per 16-row tile of W, each decoding 8 of its rows
-# (gemm_latency.cu), where the row tiles would leave SMs idle: 1 where there
-# are no more row tiles than SMs, 0 never, 2 always (the last two for A/B runs).
+# (gemm_latency.cu), where the row tiles would leave SMs idle: 1 where the half
+# tiles are no more than the SMs, 0 never, 2 always (the last two for A/B runs).
+# H200, k=2..5, kernel-only, M = 1 and 4 (define_ab_h200_90c4745_half_tiles.txt):
+# 2048x768 (96 half tiles) 0.96-1.01x the whole tiles' time, 2048x512 (64)
+# 0.93-0.98x; 768x2048 (256, two CTAs per SM) 1.06-1.09x, so not there.
 _LATENCY_HALF_TILES = 1
 
 
 def _latency_half_tiles(row_tiles: int) -> bool:
     """Whether gemm_latency runs half tiles for a weight of ``row_tiles`` row tiles."""
-    return _LATENCY_HALF_TILES == 2 or (_LATENCY_HALF_TILES == 1 and row_tiles <= _sm_count())
+    return _LATENCY_HALF_TILES == 2 or (_LATENCY_HALF_TILES == 1 and 2 * row_tiles <= _sm_count())
 
 
 def _plan_latency_launch(M: int, weight: KbitWeight, dtype):

@@ -104,7 +104,12 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
     int experts, int half_tiles) {
   latency_phase(0);  // entry
-  grid_dependency_sync();
+  // KBIT_LATENCY_EARLY_WEIGHTS (A/B only): the first weight loads before the
+  // wait for the previous kernel (weights are not written by it).
+#ifndef KBIT_LATENCY_EARLY_WEIGHTS
+#define KBIT_LATENCY_EARLY_WEIGHTS 0
+#endif
+  if (!KBIT_LATENCY_EARLY_WEIGHTS || route_ids) grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const unsigned lane4 = 4u * lane;
@@ -145,6 +150,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
   if (warp < k_tiles) load_tile(warp, w_s[0], raw_s[0]);
+  if (KBIT_LATENCY_EARLY_WEIGHTS && !route_ids) grid_dependency_sync();
 
   extern __shared__ uint4 x_stage[];  // [rows][stride], then the partial tiles (below)
   for (int row = 0; row < rows; ++row) {
@@ -322,6 +328,9 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   for (int i = threadIdx.x; i < M_TILES * 128; i += blockDim.x) {
     const int mt = i >> 7, l = (i >> 2) & 31, c = i & 3;
     if (half_tiles && c >= 2) continue;
+#ifdef KBIT_LATENCY_EPILOGUE_PROBE  // A/B of the epilogue's cost only: one element stored
+    if (i != 0) continue;
+#endif
     float v[kLatencyMaxWarps];
 #pragma unroll
     for (int w = 0; w < kLatencyMaxWarps; ++w)
