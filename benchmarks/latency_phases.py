@@ -3,9 +3,13 @@
 The kernel is built with -DKBIT_LATENCY_PHASES, which makes lane 0 of every
 warp write the global timer (ns) and its SM's clock at six points:
 
-    0 entry                          3 the warp's K tiles decoded and multiplied
-    1 the first weight tile arrived  4 the partial tiles in shared memory
-    2 the staged rows of A ready     5 exit
+    0 entry                          4 the partial tiles in shared memory
+    1 the first weight tile arrived  5 exit
+    2 the staged rows of A ready     6 the first tile's scales arrived
+    3 the warp's K tiles decoded     7 the codebook arrived
+      and multiplied
+(1, 6 and 7 are stamped after 2, in that order: each is when both that
+point and the ones before it were reached.)
 
 The public call (``kbit_gemm(..., kernel="latency")``, launch plan as the
 package makes it) runs in a CUDA graph of (256 MB overwrite, call), the
@@ -31,7 +35,7 @@ import os
 
 import numpy as np
 
-POINTS = ("weights in", "A staged", "decoded", "reduced", "exit")  # points 1..5
+POINTS = ("weights in", "A staged", "decoded", "reduced", "exit", "scales in", "codebook in")
 
 
 def probed_kernels(k: int, dtype_name: str, scale_name: str):
@@ -90,7 +94,7 @@ def summarize(samples: list[np.ndarray]) -> dict:
         entry_t = np.where(used, t[:, :, 0], np.inf).min(axis=1)  # per CTA
         entry_c = np.where(used, c[:, :, 0], np.inf).min(axis=1)
         rec = {"spread": entry_t.max() - entry_t.min()}
-        for p in range(1, 6):
+        for p in range(1, 8):
             cp_ = np.where(used & (c[:, :, p] > 0), c[:, :, p], -np.inf).max(axis=1) - entry_c
             cp_ = cp_[np.isfinite(cp_)] / ghz
             rec[f"p{p}_med"] = float(np.median(cp_)) if cp_.size else float("nan")
@@ -222,7 +226,7 @@ def main() -> int:
                     )
                     cells = " ".join(
                         f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
-                        for i in range(1, 6)
+                        for i in range(1, 8)
                     )
                     print(
                         f"{layer:>10} {k:>2} {M:>3} {ctas:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "

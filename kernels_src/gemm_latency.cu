@@ -47,7 +47,8 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 // Phase stamps, for benchmarks/latency_phases.py only (it builds this file with
 // -DKBIT_LATENCY_PHASES; otherwise they compile to nothing): lane 0 of each warp
 // of the first kPhaseCtas CTAs writes the global timer (ns) and its SM's clock
-// at point p of the kernel to kbit_latency_phases[cta][warp][p][0, 1].
+// at point p of the kernel to kbit_latency_phases[cta][warp][p][0, 1]
+// (points: benchmarks/latency_phases.py).
 // latency_phase_after first stores `dep` (a loaded word) to a sink: the store
 // waits for the load, so the stamp after it is when that load's data arrived.
 constexpr int kPhaseCtas = 2048, kPhasePoints = 8;
@@ -104,12 +105,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
     int experts, int half_tiles) {
   latency_phase(0);  // entry
-  // KBIT_LATENCY_EARLY_WEIGHTS (A/B only): the first weight loads before the
-  // wait for the previous kernel (weights are not written by it).
-#ifndef KBIT_LATENCY_EARLY_WEIGHTS
-#define KBIT_LATENCY_EARLY_WEIGHTS 0
-#endif
-  if (!KBIT_LATENCY_EARLY_WEIGHTS || route_ids) grid_dependency_sync();
+  grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const unsigned lane4 = 4u * lane;
@@ -149,8 +145,10 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     }
     raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
+#ifdef KBIT_LATENCY_CB_FIRST  // A/B: the codebook's loads before the weights'
+  const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
+#endif
   if (warp < k_tiles) load_tile(warp, w_s[0], raw_s[0]);
-  if (KBIT_LATENCY_EARLY_WEIGHTS && !route_ids) grid_dependency_sync();
 
   extern __shared__ uint4 x_stage[];  // [rows][stride], then the partial tiles (below)
   for (int row = 0; row < rows; ++row) {
@@ -178,8 +176,13 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
       scale_pair[i] = h | (h << 16);
     }
   }
+#ifdef KBIT_LATENCY_CB_FIRST
+  const unsigned cb = Mma<T>::to_bits(cb_lane);
+  const unsigned cb_pair = cb | (Mma<T>::to_bits(cb_hi) << 16);
+#else
   const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
   const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
+#endif
   constexpr bool kPairTable = K == 3;
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
@@ -195,6 +198,8 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   __syncthreads();  // the staged rows, the zero row and the tables
   latency_phase(2);  // staging done
   if (warp < k_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
+  if (warp < k_tiles) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
+  latency_phase_after(7, cb);  // the codebook
 
   // ldmatrix: lane l gives the address of row 8mt + (l & 7), chunk 4j + (l >> 3)
   // of the K tile (block j): with the swizzle, 8(j >> 1) + ((4(j & 1) + (l >> 3))
