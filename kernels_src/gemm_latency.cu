@@ -145,9 +145,11 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     }
     raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
-#ifdef KBIT_LATENCY_CB_FIRST  // A/B: the codebook's loads before the weights'
+  // The codebook's entries (lane j: entry j mod 2^K; k = 2 also entry (j / 4) mod 4)
+  // are loaded before the weights. Loaded after the staging, as they were,
+  // 4096x4096 at k = 3..5 ran 13-16% slower at M = 1 and 4 (H200,
+  // define_ab_h200_30aaba8_cb_first.txt); the small layers within 3%.
   const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
-#endif
   if (warp < k_tiles) load_tile(warp, w_s[0], raw_s[0]);
 
   extern __shared__ uint4 x_stage[];  // [rows][stride], then the partial tiles (below)
@@ -176,13 +178,8 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
       scale_pair[i] = h | (h << 16);
     }
   }
-#ifdef KBIT_LATENCY_CB_FIRST
   const unsigned cb = Mma<T>::to_bits(cb_lane);
   const unsigned cb_pair = cb | (Mma<T>::to_bits(cb_hi) << 16);
-#else
-  const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
-  const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
-#endif
   constexpr bool kPairTable = K == 3;
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
