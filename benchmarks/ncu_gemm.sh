@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# ncu summary of one kbit_gemm mma launch per case (device only). The clocks stay as
-# they are (--clock-control none: never change the GPU's clocks); caches flushed per pass.
+# ncu summary of one kbit_gemm launch per case (device only): the mma kernel, or the
+# one named (latency, wgmma). The clocks stay as they are (--clock-control none: never
+# change the GPU's clocks); caches flushed per pass.
 # usage: benchmarks/ncu_gemm.sh OUT_DIR "K_dim N M k [kernel]" ["K_dim N M k" ...]
 set -u
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
@@ -9,7 +10,7 @@ mkdir -p "$out"
 for c in "$@"; do
   set -- $c
   f="$out/ncu_gemm_${1}x${2}_M${3}_k${4}_${5:-mma}.txt"
-  "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-count 1 \
+  "$NCU" --clock-control none --kernel-name regex:kbit_gemm_${5:-mma} --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section SchedulerStats \
     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
