@@ -373,17 +373,21 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     R rows, with it sorted row g is row ``row_ids[g]`` of C and
     ``row_ids[g] // ids_per_row`` of A (moe_linear). With ``route_ids`` (R int32
     expert ids) instead of ``offsets`` and ``row_ids``, every CTA groups the
-    pairs itself (moe_linear with few pairs). The launch is planned once per
-    (rows, dtype, routing form, device, stream); a call sets its pointers."""
+    pairs itself (moe_linear with few pairs). Up to _LATENCY_MOE_MAX_CTAS
+    (rows x row tiles) without ``row_ids`` the latency kernel runs, a CTA per
+    (row, row tile). The launch is planned once per (rows, dtype, routing
+    form, device, stream); a call sets its pointers."""
     stream = _launch.current_stream_ptr()
-    key = (C.shape[0], A.dtype, route_ids is not None, ids_per_row, _launch.current_device(),
-           stream, threading.get_ident())  # per thread: the argument block is shared state
+    key = (C.shape[0], A.dtype, route_ids is not None, ids_per_row, row_ids is not None,
+           _launch.current_device(), stream,
+           threading.get_ident())  # per thread: the argument block is shared state
     found = experts._plans.get(key)
     if found is None:
         with _launch.setup_scope():  # one-time work stays out of a graph being captured
             _launch.ensure_context()  # plans are per thread: bind this thread's context
             row_tiles = _tile_counts(experts.shape[1], experts.shape[2])[0]
-            if route_ids is not None and C.shape[0] * row_tiles <= _LATENCY_MOE_MAX_CTAS:
+            if (row_ids is None and (route_ids is not None or _GROUPED_LATENCY)
+                    and C.shape[0] * row_tiles <= _LATENCY_MOE_MAX_CTAS):
                 found = _GroupedRun(_latency_moe_launch(experts, A.dtype, C.shape[0],
                                                         ids_per_row), _LATENCY_SLOTS)
             else:
@@ -396,10 +400,9 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
 
 
 # gemm_mma.cu's arguments A, C, group_offsets, row_ids, route_ids; the same
-# of gemm_latency.cu (which takes only A, C and route_ids: its other two go
-# to a dummy)
+# of gemm_latency.cu (which takes no row_ids: it goes to a dummy)
 _GROUPED_SLOTS = (3, 4, 15, 17, 19)
-_LATENCY_SLOTS = (3, 4, None, None, 9)
+_LATENCY_SLOTS = (3, 4, 13, None, 9)
 
 
 class _GroupedRun:
@@ -459,7 +462,7 @@ def _fast_launch(experts: KbitExperts, A, rows: int, routed: bool, ids_per_row: 
             or not ids.flags.c_contiguous or ids.data.device_id != dev):
         return None
     stream = _get_current_stream()
-    run = experts._plans.get((rows, dtype, routed, ids_per_row, dev, stream.ptr,
+    run = experts._plans.get((rows, dtype, routed, ids_per_row, False, dev, stream.ptr,
                               threading.get_ident()))
     if run is None:
         return None
@@ -493,7 +496,7 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
     warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n)
     return _launch.Launch(kern, (pairs * rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, experts.codebook, 0, 0, pairs, N, K_dim, kt_n, 0,
-                           ids_per_row, E, 0))
+                           ids_per_row, E, 0, 0))
 
 
 # moe_linear takes the latency kernel up to this many CTAs (pairs x row tiles of
@@ -503,6 +506,10 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
 # 13.8 us; 512 of [512, 2048] top-10 at T=1..3 (320..960) 12.2 -> 8.5,
 # 15.2 -> 11.8, 17.6 -> 15.5 us.
 _LATENCY_MOE_MAX_CTAS = 1024
+# kbit_grouped_gemm takes it under the same bound (a CTA per row and row tile,
+# each finding its row's expert in the offsets). H100, k=4, kernel-only, T=1
+# (8 rows; moe_vs_grouped_mm_h100_*): 128 x [1536, 2048] 14.6 -> see NOTES.
+_GROUPED_LATENCY = True
 
 
 def _grouped_wgmma(T: int, E: int) -> bool:

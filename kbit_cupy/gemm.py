@@ -932,11 +932,11 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
     return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
-                           int(half)))
+                           int(half), 0))
 
 
 _LATENCY_ARG_TYPES = ((_launch.POINTER,) * 5 + (_launch.INT32,) * 4 + (_launch.POINTER,)
-                      + (_launch.INT32,) * 3)
+                      + (_launch.INT32,) * 3 + (_launch.POINTER,))
 
 
 _map_cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()

@@ -20,7 +20,10 @@
 // after another, and CTA (pair p, row tile rt) multiplies row p / ids_per_row
 // of A by expert route_ids[p]'s row tile rt into row p of C: no grouping,
 // no scan, one dependent load before the weight loads. Pairs with an id
-// outside [0, experts) write nothing.
+// outside [0, experts) write nothing. With group_offsets instead (rows grouped
+// by expert, kbit_grouped_gemm with few rows; ids_per_row 1) row p's expert
+// is the one whose offsets hold it (expert_of_row: one load of the offsets
+// and a count); rows no expert owns write nothing.
 //
 // Layout of the staged activations: row r holds 32 chunks of 16 bytes per K
 // tile (columns past K_dim zero-filled), chunk c at r * stride + (c ^ (r & 7))
@@ -98,12 +101,29 @@ __device__ __forceinline__ void select_upper(const unsigned (&w)[4 * K], bool up
   }
 }
 
+// Grouped rows (kbit_grouped_gemm, few rows): the expert that owns row r of A,
+// offsets[e] <= r < offsets[e + 1] with the offsets clamped to [0, M] (as
+// gemm_mma.cu clamps them), or `experts` where none does. Every thread of the
+// CTA calls it: the count of experts whose rows end at or before r (the
+// owner's index where the offsets rise) is one __syncthreads_count per
+// blockDim experts.
+__device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, int experts, int r,
+                                             int M) {
+  int e = 0;
+  for (int i0 = 0; i0 < experts; i0 += blockDim.x) {
+    const int i = i0 + (int)threadIdx.x;
+    e += __syncthreads_count(i < experts && min(max(__ldg(offsets + i + 1), 0), M) <= r);
+  }
+  if (e < experts && min(max(__ldg(offsets + e), 0), M) > r) e = experts;  // falling offsets
+  return e;
+}
+
 template <int K, typename T, typename TScale, int M_TILES>
 __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C, int M,
     int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
-    int experts, int half_tiles) {
+    int experts, int half_tiles, const int* __restrict__ group_offsets) {
   latency_phase(0);  // entry
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
@@ -117,11 +137,11 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   if (half_tiles) rt = blockIdx.x >> 1;
   int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
   long long tile0 = 0;             // the first tile of W (of the pair's expert)
-  if (route_ids) {
+  if (route_ids || group_offsets) {
     const int row_tiles = (N + 15) >> 4, pair = (int)blockIdx.x / row_tiles;
     rt = (int)blockIdx.x - pair * row_tiles;
-    const int e = __ldg(route_ids + pair);
-    if (e < 0 || e >= experts) return;  // (the whole CTA, before any barrier)
+    const int e = route_ids ? __ldg(route_ids + pair) : expert_of_row(group_offsets, experts, pair, M);
+    if (e < 0 || e >= experts) return;  // (the whole CTA, before any other barrier)
     tile0 = (long long)e * row_tiles * k_tiles;
     A += (long long)(pair / ids_per_row) * K_dim;
     C += (long long)pair * N;

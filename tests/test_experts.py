@@ -267,6 +267,7 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
     if wg and not has_wgmma():
         pytest.skip("the Hopper path needs an sm_90 GPU")
     monkeypatch.setattr(experts_module, "_GROUPED_WG", wg)
+    monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", False)  # few rows too
     monkeypatch.setattr(experts_module, "_FUSED_ROUTE_MAX_PAIRS", 0)  # the routing launch
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k + 10)
     out = cp.full((T, top_k, N), np.nan, dtype=dtype)
@@ -281,6 +282,50 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
     rows = x[order // top_k]
     C = cp.asnumpy(kbit_grouped_gemm(cp.asarray(rows), ex, cp.asarray(offsets)))
     assert np.array_equal(C.view(np.uint16), got.reshape(-1, N)[order].view(np.uint16))
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "E, N, K_dim, T, top_k",
+    [(8, 48, 64, 1, 2), (16, 100, 96, 3, 4), (1, 64, 32, 5, 1), (64, 256, 2048, 1, 8),
+     (512, 40, 1024, 2, 10), (600, 24, 64, 1, 1)],
+)
+def test_gpu_grouped_gemm_few_rows_on_the_latency_kernel(E, N, K_dim, T, top_k, k, dtype,
+                                                         monkeypatch):
+    """Few rows: kbit_grouped_gemm on the latency kernel, each CTA finding its
+    row's expert in the offsets (experts without rows between; 600 experts:
+    more than a CTA's threads), gives the bits of moe_linear's latency launch
+    for the same (row, expert) pairs, writes every element, and leaves the
+    rows no expert owns unwritten (validate=False, offsets ending early)."""
+    import cupy as cp
+
+    from kbit_cupy import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
+    ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k + 30)
+    routed = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex)).reshape(-1, N)
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.int32)
+    rows = cp.asarray(x[order // top_k])
+    out = cp.full((len(flat), N), np.nan, dtype=dtype)
+    C = cp.asnumpy(kbit_grouped_gemm(rows, ex, cp.asarray(offsets), out=out))
+    assert np.array_equal(C.view(np.uint16), routed[order].view(np.uint16))
+    short = offsets.copy()
+    short[-1] = short[-2] = max(0, len(flat) - 1)  # the last row has no expert
+    short[:-1] = np.minimum(short[:-1], short[-1])
+    out = cp.full((len(flat), N), np.nan, dtype=dtype)
+    part = cp.asnumpy(kbit_grouped_gemm(rows, ex, cp.asarray(short), out=out, validate=False))
+    assert np.isnan(part[-1].astype(np.float32)).all()
+    owned = np.arange(len(flat)) < short[-1]
+    expect = np.concatenate([np.full(short[e + 1] - short[e], e) for e in range(E)]).astype(int)
+    for r in np.flatnonzero(owned):  # rows keep an owner: the same expert as before, or another
+        if expect[r] == flat[order][r]:
+            assert np.array_equal(part[r].view(np.uint16), C[r].view(np.uint16))
+        else:
+            assert not np.isnan(part[r].astype(np.float32)).any()
 
 
 @gpu_test
