@@ -189,6 +189,18 @@ def _device_case(E, N, K_dim, T, top_k, k, dtype, seed=0, ids=None, absmax_forma
     return ex, x, np.asarray(ids)
 
 
+# few pairs: the latency kernel
+_LATENCY_CASES = [(8, 48, 64, 1, 2), (16, 100, 96, 3, 4), (1, 64, 32, 5, 1), (64, 256, 2048, 1, 8),
+                  (512, 40, 1024, 2, 10)]
+
+
+def _grouped(ids, E):
+    """(the pairs' expert ids, their order grouped by expert (stable), the E + 1 offsets)."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    return flat, order, np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.int32)
+
+
 _MOE_CASES = [
     (8, 48, 64, 1, 2),        # T = 1
     (16, 100, 96, 33, 4),     # N not a multiple of 16
@@ -219,11 +231,7 @@ def test_gpu_moe_linear_within_format_bounds_and_every_element_written(E, N, K_d
 @gpu_test
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
-@pytest.mark.parametrize(
-    "E, N, K_dim, T, top_k",
-    [(8, 48, 64, 1, 2), (16, 100, 96, 3, 4), (1, 64, 32, 5, 1), (64, 256, 2048, 1, 8),
-     (512, 40, 1024, 2, 10)],
-)
+@pytest.mark.parametrize("E, N, K_dim, T, top_k", _LATENCY_CASES)
 def test_gpu_moe_linear_latency_kernel(E, N, K_dim, T, top_k, k, dtype, monkeypatch):
     """Few pairs: the latency kernel, one CTA per (pair, row tile) with no
     grouping, within the bounds, every element written, the same bits again;
@@ -276,9 +284,7 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
     assert rel_error(got, reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)]
     again = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
     assert np.array_equal(again.view(np.uint16), got.view(np.uint16))
-    flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.int32)
+    _, order, offsets = _grouped(ids, E)
     rows = x[order // top_k]
     C = cp.asnumpy(kbit_grouped_gemm(cp.asarray(rows), ex, cp.asarray(offsets)))
     assert np.array_equal(C.view(np.uint16), got.reshape(-1, N)[order].view(np.uint16))
@@ -287,11 +293,7 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
 @gpu_test
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
-@pytest.mark.parametrize(
-    "E, N, K_dim, T, top_k",
-    [(8, 48, 64, 1, 2), (16, 100, 96, 3, 4), (1, 64, 32, 5, 1), (64, 256, 2048, 1, 8),
-     (512, 40, 1024, 2, 10), (600, 24, 64, 1, 1)],
-)
+@pytest.mark.parametrize("E, N, K_dim, T, top_k", [*_LATENCY_CASES, (600, 24, 64, 1, 1)])
 def test_gpu_grouped_gemm_few_rows_on_the_latency_kernel(E, N, K_dim, T, top_k, k, dtype,
                                                          monkeypatch):
     """Few rows: kbit_grouped_gemm on the latency kernel, each CTA finding its
@@ -306,9 +308,7 @@ def test_gpu_grouped_gemm_few_rows_on_the_latency_kernel(E, N, K_dim, T, top_k, 
     monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k + 30)
     routed = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex)).reshape(-1, N)
-    flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))]).astype(np.int32)
+    flat, order, offsets = _grouped(ids, E)
     rows = cp.asarray(x[order // top_k])
     out = cp.full((len(flat), N), np.nan, dtype=dtype)
     C = cp.asnumpy(kbit_grouped_gemm(rows, ex, cp.asarray(offsets), out=out))
