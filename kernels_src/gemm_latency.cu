@@ -104,18 +104,29 @@ __device__ __forceinline__ void select_upper(const unsigned (&w)[4 * K], bool up
 // Grouped rows (kbit_grouped_gemm, few rows): the expert that owns row r of A,
 // offsets[e] <= r < offsets[e + 1] with the offsets clamped to [0, M] (as
 // gemm_mma.cu clamps them), or `experts` where none does. Every thread of the
-// CTA calls it: the count of experts whose rows end at or before r (the
-// owner's index where the offsets rise) is one __syncthreads_count per
-// blockDim experts.
+// CTA calls it. Where the offsets rise, e is the count of experts whose rows
+// end at or before r, and r is owned iff e + 1 experts start at or before it;
+// both counts from one pass over the offsets (all loads in flight at once),
+// added over the CTA through `counts` (2 ints of shared memory): no load
+// depends on another.
 __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, int experts, int r,
-                                             int M) {
-  int e = 0;
-  for (int i0 = 0; i0 < experts; i0 += blockDim.x) {
-    const int i = i0 + (int)threadIdx.x;
-    e += __syncthreads_count(i < experts && min(max(__ldg(offsets + i + 1), 0), M) <= r);
+                                             int M, int* counts) {
+  int ends = 0, starts = 0;
+  for (int i = threadIdx.x; i < experts; i += blockDim.x) {
+    starts += min(max(__ldg(offsets + i), 0), M) <= r;
+    ends += min(max(__ldg(offsets + i + 1), 0), M) <= r;
   }
-  if (e < experts && min(max(__ldg(offsets + e), 0), M) > r) e = experts;  // falling offsets
-  return e;
+  ends = __reduce_add_sync(kFullMask, ends);
+  starts = __reduce_add_sync(kFullMask, starts);
+  if (threadIdx.x == 0) counts[0] = counts[1] = 0;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(counts, ends);
+    atomicAdd(counts + 1, starts);
+  }
+  __syncthreads();
+  const int e = counts[0];
+  return e < experts && counts[1] == e + 1 ? e : experts;
 }
 
 template <int K, typename T, typename TScale, int M_TILES>
@@ -140,7 +151,9 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   if (route_ids || group_offsets) {
     const int row_tiles = (N + 15) >> 4, pair = (int)blockIdx.x / row_tiles;
     rt = (int)blockIdx.x - pair * row_tiles;
-    const int e = route_ids ? __ldg(route_ids + pair) : expert_of_row(group_offsets, experts, pair, M);
+    __shared__ int owner_counts[2];
+    const int e = route_ids ? __ldg(route_ids + pair)
+                            : expert_of_row(group_offsets, experts, pair, M, owner_counts);
     if (e < 0 || e >= experts) return;  // (the whole CTA, before any other barrier)
     tile0 = (long long)e * row_tiles * k_tiles;
     A += (long long)(pair / ids_per_row) * K_dim;
