@@ -22,8 +22,8 @@
 // no scan, one dependent load before the weight loads. Pairs with an id
 // outside [0, experts) write nothing. With group_offsets instead (rows grouped
 // by expert, kbit_grouped_gemm with few rows; ids_per_row 1) row p's expert
-// is the one whose offsets hold it (expert_of_row: one load of the offsets
-// and a count); rows no expert owns write nothing.
+// is the one whose offsets hold it (expert_of_row: one pass over the offsets
+// and a maximum over the CTA); rows no expert owns write nothing.
 //
 // Layout of the staged activations: row r holds 32 chunks of 16 bytes per K
 // tile (columns past K_dim zero-filled), chunk c at r * stride + (c ^ (r & 7))
@@ -104,29 +104,23 @@ __device__ __forceinline__ void select_upper(const unsigned (&w)[4 * K], bool up
 // Grouped rows (kbit_grouped_gemm, few rows): the expert that owns row r of A,
 // offsets[e] <= r < offsets[e + 1] with the offsets clamped to [0, M] (as
 // gemm_mma.cu clamps them), or `experts` where none does. Every thread of the
-// CTA calls it. Where the offsets rise, e is the count of experts whose rows
-// end at or before r, and r is owned iff e + 1 experts start at or before it;
-// both counts from one pass over the offsets (all loads in flight at once),
-// added over the CTA through `counts` (2 ints of shared memory): no load
-// depends on another.
+// CTA calls it: one pass over the offsets (no load waits for another), the
+// highest expert that claims r taken over the CTA through `owner` (one int of
+// shared memory). Rising offsets have one owner per row; falling ones
+// (validate=False) may have several, and the highest of them takes the row.
 __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, int experts, int r,
-                                             int M, int* counts) {
-  int ends = 0, starts = 0;
+                                             int M, int* owner) {
+  int claim = -1;
   for (int i = threadIdx.x; i < experts; i += blockDim.x) {
-    starts += min(max(__ldg(offsets + i), 0), M) <= r;
-    ends += min(max(__ldg(offsets + i + 1), 0), M) <= r;
+    const int lo = min(max(__ldg(offsets + i), 0), M), hi = min(max(__ldg(offsets + i + 1), 0), M);
+    if (lo <= r && r < hi) claim = i;  // i rises: this thread's highest
   }
-  ends = __reduce_add_sync(kFullMask, ends);
-  starts = __reduce_add_sync(kFullMask, starts);
-  if (threadIdx.x == 0) counts[0] = counts[1] = 0;
+  claim = __reduce_max_sync(kFullMask, claim);
+  if (threadIdx.x == 0) *owner = -1;
   __syncthreads();
-  if ((threadIdx.x & 31) == 0) {
-    atomicAdd(counts, ends);
-    atomicAdd(counts + 1, starts);
-  }
+  if ((threadIdx.x & 31) == 0) atomicMax(owner, claim);
   __syncthreads();
-  const int e = counts[0];
-  return e < experts && counts[1] == e + 1 ? e : experts;
+  return *owner >= 0 ? *owner : experts;
 }
 
 template <int K, typename T, typename TScale, int M_TILES>
@@ -151,9 +145,9 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   if (route_ids || group_offsets) {
     const int row_tiles = (N + 15) >> 4, pair = (int)blockIdx.x / row_tiles;
     rt = (int)blockIdx.x - pair * row_tiles;
-    __shared__ int owner_counts[2];
+    __shared__ int row_owner;
     const int e = route_ids ? __ldg(route_ids + pair)
-                            : expert_of_row(group_offsets, experts, pair, M, owner_counts);
+                            : expert_of_row(group_offsets, experts, pair, M, &row_owner);
     if (e < 0 || e >= experts) return;  // (the whole CTA, before any other barrier)
     tile0 = (long long)e * row_tiles * k_tiles;
     A += (long long)(pair / ids_per_row) * K_dim;
