@@ -507,8 +507,11 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
 # 15.2 -> 11.8, 17.6 -> 15.5 us.
 _LATENCY_MOE_MAX_CTAS = 1024
 # kbit_grouped_gemm takes it under the same bound (a CTA per row and row tile,
-# each finding its row's expert in the offsets). H100, k=4, kernel-only, T=1
-# (8 rows; moe_vs_grouped_mm_h100_*): 128 x [1536, 2048] 14.6 -> see NOTES.
+# each finding its row's expert in the offsets). H100, k=4 fp16, kernel-only
+# (moe_vs_grouped_mm_h100_2917c19 before, _20b17fe after): T=1, 128 x
+# [1536, 2048] top-8 14.6 -> 12.3 us, 512 x [512, 2048] top-10 11.4 -> 8.8 us,
+# 128 x [2048, 768] 9.5 -> 9.5 us; T=2 on the last two 14.0 -> 13.6 and
+# 11.8 -> 11.8 us. False: the grouped launch for every row count (tests).
 _GROUPED_LATENCY = True
 
 
