@@ -231,20 +231,15 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage);
   const int my_row = lane & 7, my_chunk = lane >> 3;
 
-  // KBIT_LATENCY_CHAINS independent accumulators per row tile (mma (2j + slab)
-  // of a K tile adds into chain (2j + slab) mod chains), added in chain order
-  // at the end: a warp's 16 mma per K tile are otherwise one dependent chain.
-#ifndef KBIT_LATENCY_CHAINS
-#define KBIT_LATENCY_CHAINS 1
-#endif
-  constexpr int kChains = KBIT_LATENCY_CHAINS;
-  float acc[kChains][M_TILES][4];
+  // One accumulator chain per row tile: 2 or 4 independent chains (mma i of a
+  // K tile into chain i mod chains) were no faster (H100, 9914dc2,
+  // define_ab_h100_9914dc2_chains.txt): a warp's 16 dependent mma per K tile
+  // are not what its time waits on.
+  float acc[M_TILES][4];
 #pragma unroll
-  for (int c = 0; c < kChains; ++c)
+  for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[c][mt][i] = 0.0f;
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
 
   // One K tile: decode, scale, multiply. kHalf (a half-tile CTA): only the
   // rows of `upper`, brought to the places of rows g by shifting the lane's
@@ -316,7 +311,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
         for (int slab = 0; slab < 2; ++slab) {
           const unsigned a[4] = {wp[0][2 * slab], wp[1][2 * slab], wp[0][2 * slab + 1],
                                  wp[1][2 * slab + 1]};
-          Mma<T>::run(acc[(2 * j + slab) % kChains][mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
+          Mma<T>::run(acc[mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
         }
       }
     }
@@ -333,18 +328,12 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     all_tiles(false);
 
   latency_phase(3);  // this warp's tiles decoded and multiplied
-#pragma unroll
-  for (int c = 1; c < kChains; ++c)
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[0][mt][i] += acc[c][mt][i];
   // The warps' partial tiles (after the staged rows: [warps][M_TILES][32]),
   // added in warp order.
   float4* red = reinterpret_cast<float4*>(x_stage + rows * stride);
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
-    red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]);
+    red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
   __syncthreads();
   latency_phase(4);  // partial tiles in shared memory
   // One thread per accumulator (mt, lane l, element c): the warps' values are
@@ -355,9 +344,6 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   for (int i = threadIdx.x; i < M_TILES * 128; i += blockDim.x) {
     const int mt = i >> 7, l = (i >> 2) & 31, c = i & 3;
     if (half_tiles && c >= 2) continue;
-#ifdef KBIT_LATENCY_EPILOGUE_PROBE  // A/B of the epilogue's cost only: one element stored
-    if (i != 0) continue;
-#endif
     float v[kLatencyMaxWarps];
 #pragma unroll
     for (int w = 0; w < kLatencyMaxWarps; ++w)
