@@ -439,3 +439,18 @@ def test_dispatch_table_chooses_what_the_constants_chose():
             # the latency kernel (added after the constants) takes over from mma only
             assert chosen == before or (chosen == "latency" and before == "mma"), \
                 (M, N, K_dim, k, fp16, wgmma, chosen, before)
+
+
+def test_latency_half_tiles_only_where_they_fit_one_cta_per_sm(monkeypatch):
+    """Half tiles (two CTAs per 16-row tile) where twice the row tiles are no
+    more than the SMs (2048x768 on 132 SMs: 48 tiles, 96 CTAs), not beyond
+    (768x2048: 128 tiles would be two CTAs per SM, measured slower)."""
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    assert gemm._latency_half_tiles(48) and gemm._latency_half_tiles(66)
+    assert not gemm._latency_half_tiles(67) and not gemm._latency_half_tiles(128)
+    monkeypatch.setattr(gemm, "_LATENCY_HALF_TILES", 0)
+    assert not gemm._latency_half_tiles(1)
+    monkeypatch.setattr(gemm, "_LATENCY_HALF_TILES", 2)
+    assert gemm._latency_half_tiles(4096)
