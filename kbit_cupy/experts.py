@@ -267,7 +267,9 @@ def kbit_grouped_gemm(A, experts: KbitExperts, group_offsets, out=None, validate
         and nothing outside A or C is touched (offsets are clamped to
         ``[0, T]`` on the device), but bad offsets give bad results: rows no
         expert owns are left unwritten; offsets that fall let experts share
-        rows, whose values then depend on which writes last (not
+        rows. With few rows (a launch of one CTA per row and 16-row tile) each
+        row then gets one expert or none, even a row some expert claims; with
+        more, shared rows' values depend on which writes last (not
         deterministic), and past min(E, T) + T / rows-per-problem problems the
         rest are dropped.
 
@@ -388,9 +390,12 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
             row_tiles = _tile_counts(experts.shape[1], experts.shape[2])[0]
             if (row_ids is None and (route_ids is not None or _GROUPED_LATENCY)
                     and C.shape[0] * row_tiles <= _LATENCY_MOE_MAX_CTAS):
-                found = _GroupedRun(_latency_moe_launch(experts, A.dtype, C.shape[0],
-                                                        ids_per_row), _LATENCY_SLOTS)
-            else:
+                try:
+                    found = _GroupedRun(_latency_moe_launch(experts, A.dtype, C.shape[0],
+                                                            ids_per_row), _LATENCY_SLOTS)
+                except ValueError:  # a row of A longer than its shared memory holds
+                    found = None
+            if found is None:
                 found = _GroupedRun(_grouped_launch(experts, A.dtype, C.shape[0],
                                                     route_ids is not None, ids_per_row, stream))
         experts._plans[key] = found

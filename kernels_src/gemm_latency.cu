@@ -4,7 +4,8 @@
 // resident CTA, fp32 partials in a workspace, per-row-tile counters, a
 // double-buffered activation pipeline) costs more than the weight's bytes.
 //
-// One CTA per 16-row tile of W; its warps split the K tiles (warp w takes
+// One CTA per 16-row tile of W (or two, each decoding 8 of its rows: half
+// tiles, where the row tiles would leave SMs idle); its warps split the K tiles (warp w takes
 // K tiles w, w + warps, ...), so every weight byte is read by the first wave
 // and all of a warp's loads are issued before anything waits. The CTA stages
 // the rows of A it multiplies (at most 8 * M_TILES, the whole K_dim) in shared
@@ -53,7 +54,10 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 // at point p of the kernel to kbit_latency_phases[cta][warp][p][0, 1]
 // (points: benchmarks/latency_phases.py).
 // latency_phase_after first stores `dep` (a loaded word) to a sink: the store
-// waits for the load, so the stamp after it is when that load's data arrived.
+// waits for the load, so the stamp after it is when that load's data had
+// arrived and the code before it had run (the kernel stamps its loads after
+// the staging barrier). Point 0 comes before grid_dependency_sync: in stamped
+// builds only, a write before the wait, to an array no other kernel touches.
 constexpr int kPhaseCtas = 2048, kPhasePoints = 8;
 #ifdef KBIT_LATENCY_PHASES
 extern "C" {  // unmangled names: RawModule.get_global finds them
@@ -322,7 +326,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
       if (kt + warps < k_tiles) tile(kHalf, kt + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
     }
   };
-  if (half_tiles)  // two inlined copies, each compiled for its constant
+  if (half_tiles)  // two inlined copies (ptxas reports no stack), each for its constant
     all_tiles(true);
   else
     all_tiles(false);

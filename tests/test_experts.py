@@ -317,10 +317,23 @@ def test_gpu_grouped_gemm_few_rows_on_the_latency_kernel(E, N, K_dim, T, top_k, 
     out = cp.full((len(flat), N), np.nan, dtype=dtype)
     part = cp.asnumpy(kbit_grouped_gemm(rows, ex, cp.asarray(short), out=out, validate=False))
     assert np.isnan(part[-1].astype(np.float32)).all()  # no expert owns the last row
-    owner = np.searchsorted(short, np.arange(len(flat) - 1), side="right") - 1
-    same = owner == flat[order][:-1]  # the other rows keep their expert
-    assert np.array_equal(part[:-1][same].view(np.uint16), C[:-1][same].view(np.uint16))
-    assert not np.isnan(part[:-1].astype(np.float32)).any()
+    # the other rows keep their expert (only the last offsets moved), so their bits
+    assert np.array_equal(part[:-1].view(np.uint16), C[:-1].view(np.uint16))
+
+
+@gpu_test
+def test_gpu_grouped_gemm_few_rows_longer_than_the_latency_kernel_stages():
+    """Few rows of A too long for the latency kernel's shared memory (2^17
+    columns of fp16: 256 KB a row) take the grouped launch instead of an error."""
+    import cupy as cp
+
+    ex, x, _ = _device_case(2, 16, 1 << 17, 2, 1, 4, np.float16)
+    offsets = np.array([0, 1, 2], np.int32)
+    C = cp.asnumpy(kbit_grouped_gemm(cp.asarray(x), ex, cp.asarray(offsets)))
+    want = np.concatenate([x[e:e + 1].astype(np.float64)
+                           @ to_host(ex.expert(e).dequantize(np.float32)).astype(np.float64).T
+                           for e in range(2)])
+    assert rel_error(C, want) <= BOUNDS[np.dtype(np.float16)]
 
 
 @gpu_test
@@ -432,11 +445,15 @@ def test_gpu_routing_corner_cases(case):
 
 
 @gpu_test
-def test_gpu_unvalidated_bad_offsets_stay_inside_the_arrays():
+@pytest.mark.parametrize("few_rows_path", [True, False], ids=["latency", "grouped"])
+def test_gpu_unvalidated_bad_offsets_stay_inside_the_arrays(few_rows_path, monkeypatch):
     """validate=False: offsets outside [0, T] are clamped on the device, nothing outside
-    A or C is touched."""
+    A or C is touched; on the few-rows (latency) path and on the grouped launch."""
     import cupy as cp
 
+    from kbit_cupy import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", few_rows_path)
     ex, x, _ = _device_case(4, 32, 64, 10, 1, 4, np.float16)
     A = cp.asarray(x)
     bad = cp.asarray(np.array([-5, 4, 4, 30, 20], np.int32))  # clamped: 0, 4, 4, 10, 10
@@ -452,13 +469,19 @@ def test_gpu_unvalidated_bad_offsets_stay_inside_the_arrays():
 
 
 @gpu_test
-def test_gpu_unvalidated_falling_offsets_past_the_problem_bound_are_cut():
-    """16 experts with offsets 0, 10, 0, 10, ...: 8 experts claim all 10 rows (16
-    problems, past the bound of 11); the kernel drops the rest, stays inside the
-    arrays, and every element holds one of the claiming experts' values (different
-    experts' CTAs may write different elements of one row last)."""
+@pytest.mark.parametrize("few_rows_path", [True, False], ids=["latency", "grouped"])
+def test_gpu_unvalidated_falling_offsets_past_the_problem_bound_are_cut(few_rows_path,
+                                                                         monkeypatch):
+    """16 experts with offsets 0, 10, 0, 10, ...: 8 experts claim all 10 rows. The
+    grouped launch has 16 problems, past its bound of 11, and drops the rest; the
+    few-rows launch gives each row one expert. Both stay inside the arrays, and
+    every element holds one of the claiming experts' values (on the grouped launch
+    different experts' CTAs may write different elements of one row last)."""
     import cupy as cp
 
+    from kbit_cupy import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", few_rows_path)
     ex, x, _ = _device_case(16, 32, 64, 10, 1, 4, np.float16)
     zigzag = cp.asarray(np.resize(np.array([0, 10], np.int32), 17))
     out = cp.full((10, 32), np.nan, np.float16)

@@ -158,8 +158,9 @@ def test_latency_kernel_deterministic_and_warp_counts(monkeypatch, M):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_latency_half_tiles_same_bits_as_whole_tiles(monkeypatch, dtype, fmt):
     """Two CTAs per row tile, each decoding 8 of its rows, give the whole
-    tile's bits (the mma's rows are independent), write every element (odd N:
-    a last half tile with no rows, or a part of one) and match the reference."""
+    tile's bits (the mma's rows are independent; both launches here get the
+    same warps per CTA, so the same K split), write every element (odd N: a
+    last half tile with no rows, or a part of one) and match the reference."""
     import cupy as cp
 
     from kbit_cupy import gemm
