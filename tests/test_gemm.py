@@ -454,3 +454,26 @@ def test_latency_half_tiles_only_where_they_fit_one_cta_per_sm(monkeypatch):
     assert not gemm._latency_half_tiles(1)
     monkeypatch.setattr(gemm, "_LATENCY_HALF_TILES", 2)
     assert gemm._latency_half_tiles(4096)
+
+
+@pytest.mark.parametrize(
+    ("M", "N", "K_dim", "k", "expected"),
+    [
+        # k = 5 on 4096x6144-sized mid layers: latency to M = 4 (2beb469)
+        (1, 6144, 4096, 5, "latency"),
+        (4, 6144, 4096, 5, "latency"),
+        (5, 6144, 4096, 5, "mma"),
+        # from 5120x5120's size: the latency kernel from M = 2 (k = 3 fp16, k = 5)
+        (1, 5120, 5120, 3, "mma"),
+        (2, 5120, 5120, 3, "latency"),
+        (4, 5120, 5120, 5, "latency"),
+        (1, 5120, 5120, 5, "mma"),
+        (1, 13824, 5120, 3, "mma"),
+        (2, 13824, 5120, 3, "latency"),
+        (2, 13824, 5120, 5, "mma"),  # k = 5 beyond the sizes measured: mma
+    ],
+)
+def test_dispatch_rows_of_2beb469(M, N, K_dim, k, expected):
+    from kbit_cupy.gemm import choose_kernel
+
+    assert choose_kernel(M, N, K_dim, k, "float16", wgmma=True) == expected
