@@ -45,32 +45,39 @@ def kernels_built_with(options):
         _jit._kernels.update(saved_cache)
 
 
+@contextlib.contextmanager
+def module_attributes(values: dict):
+    """Inside: each ``module.ATTR`` of ``values`` (a module of kbit_cupy, e.g.
+    ``gemm._LATENCY_HALF_TILES``) set to its value as an int; restored on exit."""
+    saved = []
+    try:
+        for name, value in values.items():
+            mod_name, attr = name.rsplit(".", 1)
+            mod = importlib.import_module(f"kbit_cupy.{mod_name}")
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, int(value))
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
 def kbit_variant(W, k: int, defines: dict, As, kernel: str = "auto"):
     """A prepared weight whose kernels are compiled with ``-DNAME=VALUE`` for
     each of ``defines``; its launch plans for each A in ``As`` are made here,
     on the harness stream (plans are per stream), with those kernels. A name
     with a dot, ``module.ATTR`` (a module of kbit_cupy), is instead set as
     that module's attribute (an int) while the plans are made, then restored."""
-    saved_attrs = []
-    for name, value in defines.items():
-        if "." in name:
-            mod_name, attr = name.rsplit(".", 1)
-            mod = importlib.import_module(f"kbit_cupy.{mod_name}")
-            saved_attrs.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, int(value))
+    attrs = {n: v for n, v in defines.items() if "." in n}
     options = [f"-D{n}={v}" for n, v in defines.items() if "." not in n]
-    try:
-        with kernels_built_with(options):
-            w = kc.quantize_weight(W, k=k).prepare()
-            cp.cuda.Device().synchronize()
-            with bench._bench_stream():
-                for A in As:
-                    kc.kbit_gemm(A, w, kernel=kernel)
-            cp.cuda.Device().synchronize()
-            return w
-    finally:
-        for mod, attr, value in saved_attrs:
-            setattr(mod, attr, value)
+    with module_attributes(attrs), kernels_built_with(options):
+        w = kc.quantize_weight(W, k=k).prepare()
+        cp.cuda.Device().synchronize()
+        with bench._bench_stream():
+            for A in As:
+                kc.kbit_gemm(A, w, kernel=kernel)
+        cp.cuda.Device().synchronize()
+        return w
 
 
 def main() -> int:

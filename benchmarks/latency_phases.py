@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import os
 
 import numpy as np
@@ -154,18 +153,14 @@ def main() -> int:
     args = p.parse_args()
 
     import cupy as cp
-    from define_ab import kernels_built_with
+    from define_ab import kernels_built_with, module_attributes
 
     from kbit_cupy import _jit, gemm, kbit_gemm, quantize_weight
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
     cdefs = [d for d in args.define if "." not in d.split("=")[0]]
-    for d in args.define:
-        if d not in cdefs:
-            name, value = d.split("=")
-            mod_name, attr = name.rsplit(".", 1)
-            setattr(importlib.import_module(f"kbit_cupy.{mod_name}"), attr, int(value))
+    attrs = dict(d.split("=") for d in args.define if d not in cdefs)
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
     info = harness.gpu_info()
     print(
@@ -180,60 +175,65 @@ def main() -> int:
         + f" {'span':>6} {'graph':>6} {'plain':>6} {'GHz':>5}"
     )
     print(head, flush=True)
-    for layer in args.layers:
-        K_dim, N = (int(v) for v in layer.lower().split("x"))
-        W = (
-            cp.random.default_rng(0).standard_normal((N, K_dim), dtype=cp.float32)
-            * np.float32(0.02)
-        ).astype(cp.float16)
-        for k in args.k:
-            plain_w = quantize_weight(W, k=k).prepare()
-            probe_w = quantize_weight(W, k=k).prepare()
-            cp.cuda.Device().synchronize()  # prepare() ran on the default stream
-            stream = harness._bench_stream()
-            As, outs_q = {}, {}
-            with stream:  # plans are per stream: make them on the harness's, plain ones first
-                for M in [m for m in args.m if m <= gemm._latency_rows(K_dim, 2)]:
-                    As[M] = (
-                        cp.random.default_rng(1)
-                        .standard_normal((M, K_dim), dtype=cp.float32)
-                        .astype(dtype)
-                    )
-                    outs_q[M] = cp.empty((M, N), dtype)
-                    kbit_gemm(As[M], plain_w, out=outs_q[M], kernel="latency")
-            with kernels_built_with(("-DKBIT_LATENCY_PHASES", *(f"-D{d}" for d in cdefs))):
-                modules = probed_kernels(k, dtype.name, probe_w.absmax.dtype.name)
-                for M, A in As.items():
-                    out_q, out_p = outs_q[M], cp.empty((M, N), dtype)
-                    with stream:
-                        kbit_gemm(A, probe_w, out=out_p, kernel="latency")
-                        stream.synchronize()
-                    if not bool(cp.all(out_p == out_q)):
-                        print(
-                            f"  {layer} k={k} M={M}: stamped and plain kernels' bits differ"
-                            + (" (expected where a define changes the sums)" if args.define else "")
+    with module_attributes(attrs):  # for the whole run
+        for layer in args.layers:
+            K_dim, N = (int(v) for v in layer.lower().split("x"))
+            W = (
+                cp.random.default_rng(0).standard_normal((N, K_dim), dtype=cp.float32)
+                * np.float32(0.02)
+            ).astype(cp.float16)
+            for k in args.k:
+                plain_w = quantize_weight(W, k=k).prepare()
+                probe_w = quantize_weight(W, k=k).prepare()
+                cp.cuda.Device().synchronize()  # prepare() ran on the default stream
+                stream = harness._bench_stream()
+                As, outs_q = {}, {}
+                with stream:  # plans are per stream: make them on the harness's, plain ones first
+                    for M in [m for m in args.m if m <= gemm._latency_rows(K_dim, 2)]:
+                        As[M] = (
+                            cp.random.default_rng(1)
+                            .standard_normal((M, K_dim), dtype=cp.float32)
+                            .astype(dtype)
                         )
-                    m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
-                    module = modules[_jit.GEMM_LATENCY_M_TILES.index(m_tiles)]
-                    s, ctas, warps = phases(module, probe_w, A, out_p, stream, args.replays)
-                    t_probe = harness.time_graph(
-                        functools.partial(kbit_gemm, A, probe_w, out=out_p, kernel="latency"),
-                        reps=20,
-                    )
-                    t_plain = harness.time_graph(
-                        functools.partial(kbit_gemm, A, plain_w, out=out_q, kernel="latency"),
-                        reps=20,
-                    )
-                    cells = " ".join(
-                        f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
-                        for i in range(1, 8)
-                    )
-                    print(
-                        f"{layer:>10} {k:>2} {M:>3} {ctas:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "
-                        f"{cells} {s['span'] / 1e3:6.2f} {t_probe['median_us']:6.2f} "
-                        f"{t_plain['median_us']:6.2f} {s['ghz']:5.2f}",
-                        flush=True,
-                    )
+                        outs_q[M] = cp.empty((M, N), dtype)
+                        kbit_gemm(As[M], plain_w, out=outs_q[M], kernel="latency")
+                with kernels_built_with(("-DKBIT_LATENCY_PHASES", *(f"-D{d}" for d in cdefs))):
+                    modules = probed_kernels(k, dtype.name, probe_w.absmax.dtype.name)
+                    for M, A in As.items():
+                        out_q, out_p = outs_q[M], cp.empty((M, N), dtype)
+                        with stream:
+                            kbit_gemm(A, probe_w, out=out_p, kernel="latency")
+                            stream.synchronize()
+                        if not bool(cp.all(out_p == out_q)):
+                            print(
+                                f"  {layer} k={k} M={M}: stamped and plain kernels' bits differ"
+                                + (
+                                    " (expected where a define changes the sums)"
+                                    if args.define
+                                    else ""
+                                )
+                            )
+                        m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
+                        module = modules[_jit.GEMM_LATENCY_M_TILES.index(m_tiles)]
+                        s, ctas, warps = phases(module, probe_w, A, out_p, stream, args.replays)
+                        t_probe = harness.time_graph(
+                            functools.partial(kbit_gemm, A, probe_w, out=out_p, kernel="latency"),
+                            reps=20,
+                        )
+                        t_plain = harness.time_graph(
+                            functools.partial(kbit_gemm, A, plain_w, out=out_q, kernel="latency"),
+                            reps=20,
+                        )
+                        cells = " ".join(
+                            f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
+                            for i in range(1, 8)
+                        )
+                        print(
+                            f"{layer:>10} {k:>2} {M:>3} {ctas:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "
+                            f"{cells} {s['span'] / 1e3:6.2f} {t_probe['median_us']:6.2f} "
+                            f"{t_plain['median_us']:6.2f} {s['ghz']:5.2f}",
+                            flush=True,
+                        )
     return 0
 
 
