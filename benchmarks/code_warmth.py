@@ -45,39 +45,58 @@ def main() -> int:
 
     info = harness.gpu_info()
     commit = os.environ.get("KBIT_COMMIT", info.get("commit"))
-    lines = [f"# code warmth: {info['gpu']}, commit {commit}, kernel={args.kernel}, fp16",
-             "# us, kernel-only medians; other - same = what the cold code costs",
-             f"{'layer':>10} {'M':>3} {'k':>2} {'cold':>8} {'other':>8} {'same':>8} {'other-same':>10}"]
+    lines = [
+        f"# code warmth: {info['gpu']}, commit {commit}, kernel={args.kernel}, fp16",
+        "# us, kernel-only medians; other - same = what the cold code costs",
+        f"{'layer':>10} {'M':>3} {'k':>2} {'cold':>8} {'other':>8} {'same':>8} {'other-same':>10}",
+    ]
     print("\n".join(lines), flush=True)
     for layer in args.layers:
         K_dim, N = (int(v) for v in layer.lower().split("x"))
         rng = cp.random.default_rng(0)
-        Ws = [(rng.standard_normal((N, K_dim), dtype=cp.float32) * np.float32(0.02)).astype(cp.float16)
-              for _ in range(2)]
+        Ws = [
+            (rng.standard_normal((N, K_dim), dtype=cp.float32) * np.float32(0.02)).astype(
+                cp.float16
+            )
+            for _ in range(2)
+        ]
         ks = sorted(set(args.k) | {2, 3})
         w = {(i, k): quantize_weight(Ws[i], k=k).prepare() for i in range(2) for k in ks}
         cp.cuda.Device().synchronize()  # prepare() ran on the default stream
         for M in args.m:
-            A = [cp.random.default_rng(1 + i).standard_normal((M, K_dim), dtype=cp.float32)
-                 .astype(cp.float16) for i in range(2)]
+            A = [
+                cp.random.default_rng(1 + i)
+                .standard_normal((M, K_dim), dtype=cp.float32)
+                .astype(cp.float16)
+                for i in range(2)
+            ]
             outs = [cp.empty((M, N), cp.float16) for _ in range(3)]
 
-            def call(i, k, o):
+            def call(i, k, o, A=A, outs=outs, w=w):
                 return lambda: kbit_gemm(A[i], w[(i, k)], out=outs[o], kernel=args.kernel)
+
+            def both(first, then):
+                return lambda: (first(), then())[1]
 
             for k in args.k:
                 other = 3 if k == 2 else 2
                 op, warm_same, warm_other = call(0, k, 0), call(1, k, 1), call(1, other, 2)
                 t = {}
-                for name, fn in (("cold", op), ("same_w", warm_same), ("other_w", warm_other),
-                                 ("same", lambda: (warm_same(), op())[1]),
-                                 ("other", lambda: (warm_other(), op())[1])):
+                for name, fn in (
+                    ("cold", op),
+                    ("same_w", warm_same),
+                    ("other_w", warm_other),
+                    ("same", both(warm_same, op)),
+                    ("other", both(warm_other, op)),
+                ):
                     st = harness.time_graph(fn, reps=args.reps)
                     t[name] = st["median_us"] if st else float("nan")
                 same = t["same"] - t["same_w"]
                 oth = t["other"] - t["other_w"]
-                line = (f"{layer:>10} {M:>3} {k:>2} {t['cold']:8.2f} {oth:8.2f} {same:8.2f} "
-                        f"{oth - same:10.2f}")
+                line = (
+                    f"{layer:>10} {M:>3} {k:>2} {t['cold']:8.2f} {oth:8.2f} {same:8.2f} "
+                    f"{oth - same:10.2f}"
+                )
                 print(line, flush=True)
                 lines.append(line)
     if args.out:
