@@ -35,6 +35,7 @@ from ._arrays import (
 )
 from .format import BLOCK, check_codebook, check_k
 from .quantize import (
+    _attributes,
     _resident_ctas,
     _sm_count,
     dequantize_kbit,
@@ -318,7 +319,10 @@ def check_same_place(xp, A, packed, noun: str, lives: str, move: str) -> None:
 
 def launch_ctas_per_sm(kern, threads: int, shared: int) -> int:
     """CTAs of ``kern`` resident per SM with ``shared`` dynamic bytes, after
-    opting in to dynamic shared memory past 48 KB (static + dynamic) where needed."""
+    opting in to dynamic shared memory past 48 KB (static + dynamic) where needed;
+    0 where the bytes exceed what a CTA may opt in to (the caller says why)."""
+    if kern.shared_size_bytes + shared > int(_attributes()["MaxSharedMemoryPerBlockOptin"]):
+        return 0  # the driver would refuse the opt-in (CUDA_ERROR_INVALID_VALUE)
     if kern.shared_size_bytes + shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < shared:
         kern.max_dynamic_shared_size_bytes = shared
     # Keyed by the kernel object itself, not its id(): the entry keeps it
@@ -650,11 +654,11 @@ def has_wgmma() -> bool:
 #   Since 2beb469 (half tiles, the codebook loaded first;
 #   latency_h100_2beb469_float16, which adds 5120x5120): k = 5 on 4096x6144
 #   (and 6144x4096, same size) to M = 4 (latency/mma 0.91, 0.94, 0.96 at M =
-#   1, 2, 4) and on 5120x5120 at M = 2..4 (0.91, 0.93). On 5120x5120 at M = 1
-#   that run had the latency kernel 27% slower than at M = 2 for k = 3..5
-#   (k = 3: 13.75 against 10.79 us; mma 12.01), where 1bcd642's dispatch check
-#   had it at 10.80 us: not understood, and the rows from 5120x5120's size on
-#   start the latency kernel at M = 2 until a repeated run says otherwise.
+#   1, 2, 4) and on 5120x5120 (0.90, 0.92, 0.93: latency_h100_cf93bb9_5120x5120_*,
+#   two runs within 0.5% of each other). That run (2beb469) had the latency
+#   kernel on 5120x5120 27% slower at M = 1 than at M = 2 (k = 3: 13.75
+#   against 10.79 us); the two later runs of the same kernel have 10.50 and
+#   10.51 us (mma 12.1): the run's, not the kernel's.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -674,12 +678,10 @@ class DispatchRule:
     min_weights: int = 0
     max_weights: int | None = None  # exclusive
     lat_max: int = 0  # up to this many rows: the latency kernel (before mma)
-    lat_min: int = 1  # from this many rows (fewer: mma)
 
 
 _HUGE = 1 << 27  # weights
 _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layers
-_MID_5120 = 25 << 20  # weights: 5120x5120 (4096x6144 and 6144x4096 are 24 << 20)
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
@@ -691,12 +693,10 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 16, 512),
     DispatchRule(True, "mid", 64, 256, ks=(2,), lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_LATENCY, lat_max=8),
-    DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_5120, lat_max=4),
-    DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=1 << 25, lat_max=4, lat_min=2),
+    DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=1 << 25, lat_max=4),
     DispatchRule(True, "mid", 32, 256, ks=(5,)),
     DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
-    DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, max_weights=_MID_5120, lat_max=4),
-    DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4, lat_min=2),
+    DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
     DispatchRule(True, "mid", 64, 256),
     DispatchRule(True, "small", 64, 64, lat_max=16),  # wgmma never wins
     # other GPUs: mma, then dequantize + cuBLAS
@@ -717,8 +717,8 @@ def _layer_class(N: int, K_dim: int, k: int, wgmma: bool) -> str:
 
 
 @functools.cache
-def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int, int, int]:
-    """(lat_min, lat_max, mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
+def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int, int]:
+    """(lat_max, mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
     layer, weights = _layer_class(N, K_dim, k, wgmma), N * K_dim
     for rule in DISPATCH_TABLE:
         if (rule.wgmma == wgmma and rule.layer == layer
@@ -726,7 +726,7 @@ def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int,
                 and (rule.fp16 is None or rule.fp16 == fp16)
                 and weights >= rule.min_weights
                 and (rule.max_weights is None or weights < rule.max_weights)):
-            return rule.lat_min, rule.lat_max, rule.mma_max, rule.wg_max
+            return rule.lat_max, rule.mma_max, rule.wg_max
     raise AssertionError(f"no dispatch rule for {N}x{K_dim} k={k}")  # the table covers all
 
 
@@ -739,12 +739,12 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     """
     if wgmma is None:
         wgmma = _device_has_wgmma()
-    lat_min, lat_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
+    lat_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
     # The latency kernel only in one launch: it stages whole rows of A, so
     # long rows take fewer per launch, and two launches cost twice one (H100,
     # 5120x5120 k=2 bf16 at M = 8, 6 rows per launch: 22.5 us against mma's
     # 11.7; M = 4: 10.1 against 11.5).
-    if lat_min <= M <= lat_max and M <= _latency_rows(K_dim, 2):  # A is fp16 or bf16: 2 bytes
+    if M <= lat_max and M <= _latency_rows(K_dim, 2):  # A is fp16 or bf16: 2 bytes
         return "latency"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 

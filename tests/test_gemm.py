@@ -158,15 +158,23 @@ def test_auto_dispatch_against_the_committed_sweep(wgmma):
 
 def _newest_latency_run(gpu: str) -> dict:
     """The newest committed run of benchmarks/latency_kernel.py on ``gpu``
-    ("h100", "h200"), by the date it records: runs of older kernels measured
-    other kernels (1bcd642 gave every weight load an L2 policy)."""
+    ("h100", "h200") over several layers, by the date it records (runs of
+    older kernels measured other kernels: 1bcd642 gave every weight load an L2
+    policy), with the points of later runs of single layers in place of its
+    own (5120x5120 at cf93bb9, measured twice)."""
     import json
     from pathlib import Path
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    runs = [json.loads(p.read_text()) for p in results.glob(f"latency_{gpu}_*.json")]
-    assert runs
-    return max(runs, key=lambda run: run["meta"]["date"])
+    runs = sorted((json.loads(p.read_text()) for p in results.glob(f"latency_{gpu}_*.json")),
+                  key=lambda run: run["meta"]["date"])
+    layers = [{(r["K_dim"], r["N"]) for r in run["records"]} for run in runs]
+    base = max(i for i, run_layers in enumerate(layers) if len(run_layers) > 1)
+    points = {}
+    for run in runs[base:]:
+        for r in run["records"]:
+            points[(r["K_dim"], r["N"], r["M"], r["k"], r["dtype"], r["kernel"])] = r
+    return {"records": list(points.values())}
 
 
 def _dispatch_against_run(run: dict) -> tuple[float, int]:
@@ -463,14 +471,14 @@ def test_latency_half_tiles_only_where_they_fit_one_cta_per_sm(monkeypatch):
         (1, 6144, 4096, 5, "latency"),
         (4, 6144, 4096, 5, "latency"),
         (5, 6144, 4096, 5, "mma"),
-        # from 5120x5120's size: the latency kernel from M = 2 (k = 3 fp16, k = 5)
-        (1, 5120, 5120, 3, "mma"),
-        (2, 5120, 5120, 3, "latency"),
+        # 5120x5120: latency to M = 4 (k = 3 fp16, k = 5; cf93bb9's two runs)
+        (1, 5120, 5120, 3, "latency"),
+        (4, 5120, 5120, 3, "latency"),
+        (5, 5120, 5120, 3, "mma"),
+        (1, 5120, 5120, 5, "latency"),
         (4, 5120, 5120, 5, "latency"),
-        (1, 5120, 5120, 5, "mma"),
-        (1, 13824, 5120, 3, "mma"),
-        (2, 13824, 5120, 3, "latency"),
-        (2, 13824, 5120, 5, "mma"),  # k = 5 beyond the sizes measured: mma
+        (1, 13824, 5120, 3, "latency"),
+        (1, 13824, 5120, 5, "mma"),  # k = 5 beyond the sizes measured: mma
     ],
 )
 def test_dispatch_rows_of_2beb469(M, N, K_dim, k, expected):
