@@ -114,9 +114,18 @@ __host__ __device__ constexpr int kReloadAfter(int q) {
 // tiles per warp sits just above an occupancy step at k = 2 with E4M4 scales
 // (4 CTAs at 128 registers) and at k = 4 (3 CTAs at 168); elsewhere the
 // compiler chooses (fp16 scales at k = 2 would spill at 128).
-template <int K, int SCALE_BYTES, int M_TILES, int RPW>
+// Scale after the multiply (see kScaleAfter in the kernel): k = 4, E4M4
+// scales, mma.sync at one n8 tile, not grouped.
+template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED>
+constexpr bool kScaleAfterOf = K == 4 && SCALE_BYTES == 1 && M_TILES == 1 && RPW == 1 && WG == 0 && !GROUPED;
+// With the scale after the multiply, five CTAs: ptxas otherwise hoists the
+// decode of later blocks (the multiplies no longer form one chain) and takes
+// 144 registers; at five, 96 and no spill, and the 33 KB of tables already
+// allow only five CTAs per SM.
+template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED>
 constexpr int kMinCtas =
-    M_TILES == 4 && RPW == 2 ? (K == 2 && SCALE_BYTES == 1 ? 4 : K == 4 ? 3 : 1) : 1;
+    M_TILES == 4 && RPW == 2 ? (K == 2 && SCALE_BYTES == 1 ? 4 : K == 4 ? 3 : 1)
+    : kScaleAfterOf<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED> ? 5 : 1;
 
 // RPW: row tiles per warp. With many n8 tiles the activation fragments
 // (shared-memory reads) dominate, so on layers with enough row tiles a warp
@@ -131,7 +140,7 @@ constexpr int kMinCtas =
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
           bool GROUPED = false>
 __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 128,
-                                  kMinCtas<K, sizeof(TScale), M_TILES, RPW>) kbit_gemm_mma(
+                                  kMinCtas<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED>) kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
@@ -500,8 +509,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr bool kAluScale =
       sizeof(TScale) == 1 && IsHalf<T>::value && !(K == 4 && !WG && M_TILES == 1) &&
       !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
-  __shared__ unsigned scale_pair[kAluScale ? 1 : 256];
-  if constexpr (sizeof(TScale) == 1 && !kAluScale) {
+  // (none where the scales come after the multiply: kScaleAfter below)
+  constexpr bool kScaleTable =
+      sizeof(TScale) == 1 && !kAluScale && !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED>;
+  __shared__ unsigned scale_pair[kScaleTable ? 256 : 1];
+  if constexpr (kScaleTable) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
       unsigned h = Mma<T>::to_bits(e4m4_decode(i));
       scale_pair[i] = h | (h << 16);
@@ -613,6 +625,17 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     regs_inc<kConsumerRegs<WG>>();
   }
 
+  // Scale after the multiply (k = 4, E4M4, one n8 tile, not grouped): block j's
+  // weights go into the mma unscaled, into a zeroed accumulator, which is then
+  // added to acc times the fp32 scales of rows g and g + 8 (s / 16: the code's
+  // fp16 bits c << 6, widened; acc times 16 at the segment's end, exact): four
+  // FFMA a block instead of eight HMUL2 and two scale-table loads. Within
+  // FORMAT.md section 7 (the effective weight is not rounded to T at all).
+  // H200, in one process (define_ab_h200_30318fa_scale_after.txt): k = 4 at M
+  // = 1..8 on 8192x57344 +5..6%, 4096x28672 +3..4%, 14336x4096 +1..2.5%,
+  // 4096x6144 within 0.3%. Not kept for k = 2 (64 registers: within 2%), k = 3
+  // (-5..+6% by layer) and k = 5 (slower), nor for fp16 scales (spills).
+  constexpr bool kScaleAfter = kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED>;
   // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile
   // row_tile(grp, r), summed over the current segment's K tiles.
   float acc[RPW][M_TILES][4];
@@ -627,6 +650,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // The end of a segment: store C, or a partial tile (see the header).
   // K tiles seg_kt0 .. seg_kt1 - 1 of group seg_grp are in acc.
   auto finish_segment = [&](int seg_grp, const Place& pl, int seg_kt0, int seg_kt1) {
+    if constexpr (kScaleAfter) {  // the E4M4 scales were taken as s / 16
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][mt][i] *= 16.0f;
+    }
     const bool whole = seg_kt0 == 0 && seg_kt1 == k_tiles;
     const int g_begin = seg_grp * group_units;
     // workspace slot of CTA c's segment of this group: its first or its last
@@ -830,13 +859,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           // (scale, scale) of row g + 8h, block j
-          const unsigned sp =
+          const unsigned sp = kScaleAfter ? 0u :
               block_scale_pair<T, TScale, kAluScale>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
             const unsigned pair = weight_pair<K, kPairTable>(w[r], 16 * j + 8 * h + 2 * p, cb,
                                                              cb_pair, pair_tab, lane4);
-            wp[r][h][p] = Mma<T>::mul2(pair, sp);
+            wp[r][h][p] = kScaleAfter ? pair : Mma<T>::mul2(pair, sp);
           }
         }
       }
@@ -909,6 +938,28 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
                      : "r"((j & 1 ? x_odd : x_even) + mt * 8 * 512 + (j >> 1) * 128));
+        if constexpr (kScaleAfter) {
+          float s_lo, s_hi;  // fp32 scales of rows g, g + 8 (E4M4: s / 16)
+          {
+            // byte j of each row's scale word into bytes 0 and 2, as fp16 bits c << 6
+            const unsigned codes = (__byte_perm(sw_lo[0][j >> 2], sw_hi[0][j >> 2],
+                                                (j & 3) | ((4 + (j & 3)) << 8)) & 0x00ff00ffu) << 6;
+            const __half2 hs = *reinterpret_cast<const __half2*>(&codes);
+            s_lo = __low2float(hs);
+            s_hi = __high2float(hs);
+          }
+          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int slab = 0; slab < 2; ++slab) {
+            const unsigned a[4] = {wp[0][0][2 * slab], wp[0][1][2 * slab], wp[0][0][2 * slab + 1],
+                                   wp[0][1][2 * slab + 1]};
+            Mma<T>::run(part, a, slab ? x.z : x.x, slab ? x.w : x.y);
+          }
+          acc[0][mt][0] = fmaf(s_lo, part[0], acc[0][mt][0]);
+          acc[0][mt][1] = fmaf(s_lo, part[1], acc[0][mt][1]);
+          acc[0][mt][2] = fmaf(s_hi, part[2], acc[0][mt][2]);
+          acc[0][mt][3] = fmaf(s_hi, part[3], acc[0][mt][3]);
+        } else {
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
 #pragma unroll
@@ -918,6 +969,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             Mma<T>::run(acc[r][mt], a, slab ? x.z : x.x, slab ? x.w : x.y);
           }
         }
+        }  // kScaleAfter
       }
       }  // WG
     }
