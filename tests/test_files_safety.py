@@ -130,7 +130,12 @@ STOPPED_MID_WRITE = """
 
     def stalled_fsync(fd):  # every byte is written, nothing renamed yet
         print("mid-write", flush=True)
-        time.sleep(120)
+        # Short sleeps: a SIGINT that the kernel hands to another thread (NumPy's
+        # or CuPy's) does not wake a long sleep of the main thread, whose
+        # KeyboardInterrupt would then wait the whole sleep out (CI timed out
+        # once at f86d2bc, 60 s after the signal).
+        for _ in range(1200):
+            time.sleep(0.1)
 
     _files._fsync = stalled_fsync
     save_quantized(sys.argv[1], {"a": np.ones(100_000, np.float32)})
