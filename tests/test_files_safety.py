@@ -123,19 +123,18 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temporary(tmp_path, writer
 
 
 STOPPED_MID_WRITE = """
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C as a user's shell delivers it, also where this test runs with SIGINT
+    # ignored (a runner started in the background, `cmd &`, passes SIG_IGN on, and
+    # Python then installs no handler: the child slept out its 120 s).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     from kbit_cupy import _files
     from kbit_cupy.serialization import save_quantized
 
     def stalled_fsync(fd):  # every byte is written, nothing renamed yet
         print("mid-write", flush=True)
-        # Short sleeps: a SIGINT that the kernel hands to another thread (NumPy's
-        # or CuPy's) does not wake a long sleep of the main thread, whose
-        # KeyboardInterrupt would then wait the whole sleep out (CI timed out
-        # once at f86d2bc, 60 s after the signal).
-        for _ in range(1200):
-            time.sleep(0.1)
+        time.sleep(120)
 
     _files._fsync = stalled_fsync
     save_quantized(sys.argv[1], {"a": np.ones(100_000, np.float32)})
