@@ -154,3 +154,13 @@ def test_e4m4_scale_pair_bits():
     # the packed constants the kernel multiplies by
     assert np.float16(16).view(np.uint16) == 0x4C00
     assert ml_dtypes.bfloat16(2.0**116).view(np.uint16) == 0x7980
+
+
+def test_e4m4_scale_after_the_multiply_bits():
+    # gemm_mma.cu's kScaleAfter (k = 4, E4M4, one n8 tile) widens the fp16 bits
+    # u << 6 of a code to fp32 (s / 16, subnormal codes included) and multiplies
+    # the finished sums by 16: exact for all 256 codes, so the only rounding left
+    # is that of the fp32 multiply-adds.
+    u = np.arange(256, dtype=np.uint16)
+    widened = (u << 6).view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(widened * np.float32(16), E4M4_VALUES.astype(np.float32))
