@@ -113,6 +113,8 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs, True)))
                     for m_tiles in GEMM_LATENCY_M_TILES:
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles)))
+                    for m_tiles in GEMM_CLUSTER_M_TILES:  # the cluster split (sm_90a)
+                        out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, True)))
     out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
     return out
 
@@ -123,6 +125,14 @@ GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (
 GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Hopper path (sm_90a)
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
+# gemm_latency.cu's cluster split (CLUSTER, sm_90a): n8 tiles per M chunk (a
+# launch covers any M in chunks of 8 * m_tiles rows), warps per CTA at most
+# (kClusterMaxWarps), partial tiles one output adds (kClusterMaxReads: ranks x
+# warps per row tile), CTAs per cluster at most (the portable cluster size)
+GEMM_CLUSTER_M_TILES = (2, 4, 8)
+GEMM_CLUSTER_MAX_WARPS = 8
+GEMM_CLUSTER_MAX_READS = 16
+GEMM_CLUSTER_MAX_RANKS = 8
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)
 GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations stage per slab
 
@@ -189,7 +199,10 @@ def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 
 def needs_sm90a(family: str, args: tuple) -> bool:
-    """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu)."""
+    """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu,
+    the cluster split of gemm_latency.cu)."""
+    if family == "gemm_latency":
+        return len(args) >= 5 and bool(args[4])
     return family == "gemm_mma" and len(args) >= 6 and args[5] > 0
 
 

@@ -86,11 +86,13 @@ def device_pointer(x) -> int:
 # programmatic-stream-serialization attribute, which lets the launch start
 # while the previous kernel on the stream drains. KBIT_CUPY_PDL=0 turns it off.
 PDL = os.environ.get("KBIT_CUPY_PDL", "1") != "0"
-_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_ATTR_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _AttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int),
+                ("dims", ctypes.c_uint * 3)]
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute
@@ -136,18 +138,41 @@ def pdl_supported() -> bool:
 _pdl_devices: dict[int, bool] = {}
 
 
+def cluster_launch_supported() -> bool:
+    """Whether the current device takes thread-block cluster launches here:
+    compute capability 9.0 or newer and a driver with cuLaunchKernelEx (the
+    launch attribute that sets the cluster size needs it)."""
+    dev = current_device()
+    found = _cluster_devices.get(dev)
+    if found is None:
+        major = cupy().cuda.Device(dev).compute_capability[:-1]
+        found = _cluster_devices[dev] = int(major) >= 9 and _launch_kernel_ex() is not None
+    return found
+
+
+_cluster_devices: dict[int, bool] = {}
+
+
 class PdlLaunch:
     """A ``Launch`` sent through ``cuLaunchKernelEx`` with programmatic stream
-    serialization allowed (the kernel must begin with grid_dependency_sync)."""
+    serialization allowed (the kernel must begin with grid_dependency_sync;
+    ``pdl=False`` leaves it out) and, with ``cluster`` > 0, in thread-block
+    clusters of ``cluster`` CTAs along x."""
 
-    __slots__ = ("_attr", "_config", "_fn", "_launch", "argv", "config_ptr", "func")
+    __slots__ = ("_attrs", "_config", "_fn", "_launch", "argv", "config_ptr", "func")
 
-    def __init__(self, launch):
+    def __init__(self, launch, pdl: bool = True, cluster: int = 0):
         self._launch = launch
-        self._attr = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self._attr.value.value = 1
+        attrs = []
+        if pdl:
+            attrs.append(_Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION))
+            attrs[-1].value.value = 1
+        if cluster:
+            attrs.append(_Attr(id=_ATTR_CLUSTER_DIMENSION))
+            attrs[-1].value.dims[:] = (cluster, 1, 1)
+        self._attrs = (_Attr * max(1, len(attrs)))(*attrs)
         self._config = _Config((ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(*launch.block),
-                               launch.shared, None, ctypes.pointer(self._attr), 1)
+                               launch.shared, None, self._attrs, len(attrs))
         self.config_ptr = ctypes.addressof(self._config)
         self.func, self.argv = launch.func, launch.argv
         self._fn = _launch_kernel_ex()

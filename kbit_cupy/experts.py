@@ -501,7 +501,7 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
     warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n)
     return _launch.Launch(kern, (pairs * rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, experts.codebook, 0, 0, pairs, N, K_dim, kt_n, 0,
-                           ids_per_row, E, 0, 0))
+                           ids_per_row, E, 0, 0, 1))
 
 
 # moe_linear takes the latency kernel up to this many CTAs (pairs x row tiles of

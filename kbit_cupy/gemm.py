@@ -47,7 +47,7 @@ ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
 BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
-KERNELS = ("auto", "mma", "wgmma", "latency", "dequant")
+KERNELS = ("auto", "mma", "wgmma", "latency", "cluster", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
 _WARPS = 4  # per gemm_mma CTA
 _WG_WARPGROUPS = None  # override of _jit.gemm_wg_warpgroups (for A/B runs)
@@ -370,7 +370,10 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         ``"wgmma"`` (fused kernel, Hopper wgmma; sm_90 GPUs only),
         ``"latency"`` (fused kernel for few rows on small layers: one CTA per
         16 rows of W, no split-K workspace; launches of up to 16 rows of A,
-        fewer where K_dim is long) or ``"dequant"`` (dequantize to a scratch
+        fewer where K_dim is long), ``"cluster"`` (the latency kernel's
+        decode with the K tiles split over a thread-block cluster and A
+        staged per M chunk, for small layers at tens to hundreds of rows;
+        sm_90 GPUs only) or ``"dequant"`` (dequantize to a scratch
         weight, then cuBLAS); ignored for NumPy A.
 
     Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the
@@ -379,7 +382,8 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     Raises TypeError (A not fp16/bf16, e.g. fp32: cast it; A and weight in
     different places; ``out`` in another module; weight not a KbitWeight) and
     ValueError (A's last dimension is not K_dim; ``out`` shape, dtype or
-    layout; unknown ``kernel``; ``kernel="wgmma"`` on a GPU other than sm_90;
+    layout; unknown ``kernel``; ``kernel="wgmma"`` or ``"cluster"`` on a GPU
+    other than sm_90 (``"cluster"`` also without cuLaunchKernelEx);
     A and weight on different GPUs).
     """
     plans = getattr(weight, "_plans", None)
@@ -405,6 +409,9 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     _check_current_device(A)
     if kernel == "wgmma" and not has_wgmma():  # "auto" asks choose_kernel, which asks the GPU
         raise ValueError("kernel='wgmma' needs a Hopper GPU (sm_90: H100, H200); use 'mma' or 'auto'")
+    if kernel == "cluster" and not _launch.cluster_launch_supported():
+        raise ValueError("kernel='cluster' needs a Hopper GPU (sm_90: H100, H200) and a driver "
+                         "with cuLaunchKernelEx; use 'mma' or 'auto'")
     stream = xp.cuda.get_current_stream()  # (inside setup_scope it would be the side stream)
     with _launch.setup_scope():  # one-time work stays out of a graph being captured
         plan = _GemmPlan(weight, M, A.dtype, kernel, stream.ptr, out_shape)
@@ -502,6 +509,13 @@ class _GemmPlan:
             _launch.blas().bind(stream)  # creates the handle and the stream's workspace now
             return
         weight.prepare()
+        if self.choice == "cluster":
+            launch, ranks = _plan_cluster_launch(M, weight, dtype)
+            run = _launch.PdlLaunch(launch, pdl=_launch.pdl_supported(), cluster=ranks)
+            self.launches.append((launch, 0, M, 0, run))
+            self.single = (launch.prefix, launch.argv, launch.value(_ARG_A), launch.value(_ARG_C))
+            self.pdl = run
+            return
         wg = self.choice == "wgmma"
         if self.choice == "latency":
             step = _latency_rows(K_dim, dtype.itemsize)
@@ -945,11 +959,86 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
     return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
-                           int(half), 0))
+                           int(half), 0, 1))
 
 
 _LATENCY_ARG_TYPES = ((_launch.POINTER,) * 5 + (_launch.INT32,) * 4 + (_launch.POINTER,)
-                      + (_launch.INT32,) * 3 + (_launch.POINTER,))
+                      + (_launch.INT32,) * 3 + (_launch.POINTER, _launch.INT32))
+
+# The cluster split's geometry (gemm_latency.cu, CLUSTER), for A/B runs; 0: chosen
+# by cluster_geometry. _CLUSTER_M_TILES: n8 tiles per M chunk; _CLUSTER_RANKS: CTAs
+# per cluster (K splits); _CLUSTER_ROW_TILES: row tiles per CTA.
+_CLUSTER_M_TILES = 0
+_CLUSTER_RANKS = 0
+_CLUSTER_ROW_TILES = 0
+
+
+_CLUSTER_STAGE_BYTES = 160 * 1024  # staged A per CTA at most (of 227 KB)
+
+
+def cluster_geometry(M: int, row_tiles: int, k_tiles: int, sms: int,
+                     itemsize: int = 2) -> tuple[int, int, int, int]:
+    """(n8 tiles per M chunk, CTAs per cluster, row tiles per CTA, warps per
+    CTA) of gemm_latency.cu's cluster split for ``M`` rows of A on a weight
+    of ``row_tiles`` x ``k_tiles`` tiles and a GPU of ``sms`` SMs.
+
+    Ranks split the K tiles: the largest divisor of k_tiles up to 8 when it
+    is at least half of min(k_tiles, 8) (every CTA the same share), else
+    min(k_tiles, 8). M chunks: the fewest n8 tiles that cover M, at most 8
+    (64 rows; longer M runs in more chunks), fewer where a chunk's rows of the
+    CTA's K tiles would pass _CLUSTER_STAGE_BYTES. Row tiles per CTA: the most (up
+    to 8) that still give every SM a CTA, since a CTA's staged A serves all
+    of its row tiles. Warps: one per (row tile, share of the CTA's K tiles),
+    at most 8, with ranks x warps per row tile <= 16 (the partials an output
+    adds).
+    """
+    top = min(k_tiles, _jit.GEMM_CLUSTER_MAX_RANKS)
+    ranks = max(d for d in range(1, top + 1) if k_tiles % d == 0)
+    if 2 * ranks < top:
+        ranks = top
+    ranks = _CLUSTER_RANKS or ranks
+    local_tiles = math.ceil(k_tiles / ranks)
+    m_tiles = _CLUSTER_M_TILES or next(
+        (t for t in _jit.GEMM_CLUSTER_M_TILES if 8 * t >= M), max(_jit.GEMM_CLUSTER_M_TILES))
+    while (m_tiles > min(_jit.GEMM_CLUSTER_M_TILES) and not _CLUSTER_M_TILES
+           and min(M, 8 * m_tiles) * local_tiles * K_PER_TILE * itemsize > _CLUSTER_STAGE_BYTES):
+        m_tiles = max(t for t in _jit.GEMM_CLUSTER_M_TILES if t < m_tiles)
+    chunks = math.ceil(M / (8 * m_tiles))
+    per_cta = _CLUSTER_ROW_TILES
+    if not per_cta:
+        per_cta = 1
+        for r in (2, 4, 8):
+            if r <= row_tiles and ranks * math.ceil(row_tiles / r) * chunks >= sms:
+                per_cta = r
+    max_warps = _jit.GEMM_CLUSTER_MAX_WARPS
+    per_row_tile = max(1, min(local_tiles, max_warps // per_cta,
+                              _jit.GEMM_CLUSTER_MAX_READS // ranks))
+    return m_tiles, ranks, per_cta, per_cta * per_row_tile
+
+
+def _plan_cluster_launch(M: int, weight: KbitWeight, dtype):
+    """(Launch, CTAs per cluster) of gemm_latency.cu's cluster split for ``M``
+    rows of A (any M: chunks of 8 * m_tiles rows along grid y), geometry from
+    cluster_geometry. A and C are set per call."""
+    N, K_dim = weight.shape
+    tiles, scales = weight._tiles
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    m_tiles, ranks, per_cta, warps = cluster_geometry(M, rt_n, kt_n, _sm_count(), dtype.itemsize)
+    kern = _jit.get_kernel("gemm_latency", weight.k, dtype.name, weight.absmax.dtype.name,
+                           m_tiles, True)
+    rows = min(M, 8 * m_tiles)
+    shared = (warps * m_tiles * 32 * 16  # the partial tiles, fp32
+              + rows * math.ceil(kt_n / ranks) * K_PER_TILE * dtype.itemsize)
+    if launch_ctas_per_sm(kern, 32 * warps, shared) < 1:
+        raise ValueError(f"{rows} rows of A of {math.ceil(kt_n / ranks) * K_PER_TILE} columns per "
+                         "CTA do not fit the cluster kernel's shared memory; use kernel='mma'")
+    grid = (ranks * math.ceil(rt_n / per_cta), math.ceil(M / (8 * m_tiles)))
+    if grid[1] >= 1 << 16:
+        raise ValueError(f"M={M} is too many rows for kernel='cluster'; use kernel='auto'")
+    launch = _launch.Launch(kern, grid, (32 * warps,), shared, _LATENCY_ARG_TYPES,
+                            (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
+                             0, 0, per_cta))
+    return launch, ranks
 
 
 _map_cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()

@@ -41,6 +41,21 @@
 // its K tiles, partial sums added through distributed shared memory, so that
 // more SMs read the weight (2048x768, 2048x512: 0.3-0.7 us slower at every k
 // and M <= 16; the cluster barriers cost more than the extra SMs gain).
+//
+// Cluster split (template argument CLUSTER, sm_90a only; gemm.py's
+// kernel="cluster"): small layers at 17..256 rows of A, where staging A whole
+// per row tile costs more than the weight (each CTA would copy rows x K_dim x
+// 2 bytes from L2: 256 KB at 64 rows of 2048 columns). A thread-block cluster
+// of `ranks` CTAs (launch attribute, <= 8) shares a group of cta_row_tiles row
+// tiles; rank r takes K tiles r, r + ranks, ... and stages only those columns
+// of A, for the 8 * M_TILES rows of its M chunk (grid y: chunk y is rows
+// 8 * M_TILES * y ..). Warp w multiplies row tile w % cta_row_tiles over the
+// CTA's K tiles w / cta_row_tiles, w / cta_row_tiles + warps / cta_row_tiles,
+// .... The partial tiles sit at the start of each CTA's shared memory; after a
+// cluster barrier rank r adds its share of the group's outputs over all ranks
+// and warps (rank-major, then warp: a fixed order, the same bits on every
+// call) through distributed shared memory, and a second barrier keeps every
+// CTA's shared memory alive until all reads are done.
 #include "common.cuh"
 #include "mma_common.cuh"
 
@@ -127,12 +142,50 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, in
   return e;
 }
 
-template <int K, typename T, typename TScale, int M_TILES>
-__global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
-    const uint4* __restrict__ tiles, const void* __restrict__ scales,
-    const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C, int M,
-    int N, int K_dim, int k_tiles, const int* __restrict__ route_ids, int ids_per_row,
-    int experts, int half_tiles, const int* __restrict__ group_offsets) {
+// Thread-block clusters (sm_90; the CLUSTER instantiations are built for sm_90a only).
+constexpr int kClusterMaxWarps = 8;   // _jit.py mirrors it (GEMM_CLUSTER_MAX_WARPS)
+constexpr int kClusterMaxReads = 16;  // ranks x warps per row tile: gemm.py keeps to it
+__device__ __forceinline__ int cluster_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return (int)r;
+}
+__device__ __forceinline__ int cluster_ranks() {
+  unsigned n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return (int)n;
+}
+// Every thread of every CTA of the cluster arrives; shared-memory writes
+// before it are visible to the cluster's reads after it (release / acquire).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The float at shared address `addr` (this CTA's layout) in CTA `rank` of the cluster.
+__device__ __forceinline__ float ld_cluster_f32(unsigned addr, int rank) {
+  float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+
+template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false>
+__global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMaxWarps), 1)
+    kbit_gemm_latency(const uint4* __restrict__ tiles, const void* __restrict__ scales,
+                      const float* __restrict__ codebook, const T* __restrict__ A,
+                      T* __restrict__ C, int M, int N, int K_dim, int k_tiles,
+                      const int* __restrict__ route_ids, int ids_per_row, int experts,
+                      int half_tiles, const int* __restrict__ group_offsets,
+                      int cta_row_tiles) {
   latency_phase(0);  // entry
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
@@ -156,7 +209,28 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     C += (long long)pair * N;
     rows = 1;
   }
-  const int stride = k_tiles * 32;       // chunks per staged row
+  // This CTA's K tiles are rank, rank + ranks, ... (local tile i is K tile
+  // kt_of(i)); the warp's are local tiles kw, kw + wk, ... of them, for row
+  // tile rt. Without CLUSTER: every K tile, the warp's warp, warp + warps, ...
+  int rank = 0, ranks = 1, kw = warp, wk = warps, group = 0;
+  bool rt_ok = true;  // the warp's row tile exists (CLUSTER: the group's last may not)
+  if constexpr (CLUSTER) {
+    rank = cluster_rank();
+    ranks = cluster_ranks();
+    group = (int)blockIdx.x / ranks;
+    kw = warp / cta_row_tiles;
+    wk = warps / cta_row_tiles;
+    rt = group * cta_row_tiles + warp % cta_row_tiles;
+    rt_ok = rt < ((N + 15) >> 4);
+    const int m0 = (int)blockIdx.y * 8 * M_TILES;
+    A += (long long)m0 * K_dim;
+    C += (long long)m0 * N;
+    rows = min(M - m0, 8 * M_TILES);
+  }
+  const int local_tiles = CLUSTER ? (k_tiles - rank + ranks - 1) / ranks : k_tiles;
+  const int warp_tiles = rt_ok ? local_tiles : 0;  // local tiles this warp may take
+  auto kt_of = [&](int i) { return rank + i * ranks; };
+  const int stride = local_tiles * 32;   // chunks per staged row
 
   // This warp's first tile first: its loads are in flight during the staging.
   using RawScale = typename ScaleWord<TScale>::Raw;
@@ -179,15 +253,20 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   // 4096x4096 at k = 3..5 ran 13-16% slower at M = 1 and 4 (H200,
   // define_ab_h200_30aaba8_cb_first.txt); the small layers within 3%.
   const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
-  if (warp < k_tiles) load_tile(warp, w_s[0], raw_s[0]);
+  if (kw < warp_tiles) load_tile(kt_of(kw), w_s[0], raw_s[0]);
 
-  extern __shared__ uint4 x_stage[];  // [rows][stride], then the partial tiles (below)
+  // [rows][stride], then the partial tiles (below); CLUSTER: the partial tiles
+  // first, at the same address in every CTA of the cluster (their staged
+  // columns differ in number), then the rows.
+  extern __shared__ uint4 x_stage[];
+  uint4* const stage = CLUSTER ? x_stage + warps * M_TILES * 32 : x_stage;
   for (int row = 0; row < rows; ++row) {
     for (int c = threadIdx.x; c < stride; c += blockDim.x) {
-      const bool valid = 8 * c < K_dim;
-      const T* src = valid ? A + (long long)row * K_dim + 8 * c : A;
+      const int col8 = CLUSTER ? kt_of(c >> 5) * 32 + (c & 31) : c;  // 8-column chunk of A
+      const bool valid = 8 * col8 < K_dim;
+      const T* src = valid ? A + (long long)row * K_dim + 8 * col8 : A;
       const unsigned dst =
-          (unsigned)__cvta_generic_to_shared(x_stage + row * stride + (c ^ (row & 7)));
+          (unsigned)__cvta_generic_to_shared(stage + row * stride + (c ^ (row & 7)));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                    "r"(valid ? 16 : 0));
     }
@@ -223,8 +302,8 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   asm volatile("cp.async.wait_group 0;\n" ::);
   __syncthreads();  // the staged rows, the zero row and the tables
   latency_phase(2);  // staging done
-  if (warp < k_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
-  if (warp < k_tiles) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
+  if (kw < warp_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
+  if (kw < warp_tiles) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
   latency_phase_after(7, cb);  // the codebook
 
   // ldmatrix: lane l gives the address of row 8mt + (l & 7), chunk 4j + (l >> 3)
@@ -232,7 +311,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   // ^ (row & 7)), so one address for even and one for odd j plus immediate
   // offsets. Rows past M read the zero row instead.
   const unsigned zero_addr = (unsigned)__cvta_generic_to_shared(zero_row);
-  const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage);
+  const unsigned x_base = (unsigned)__cvta_generic_to_shared(stage);
   const int my_row = lane & 7, my_chunk = lane >> 3;
 
   // One accumulator chain per row tile: 2 or 4 independent chains (mma i of a
@@ -250,9 +329,10 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   // index string (select_upper) and decoded as rows g; rows g + 8 of the mma
   // are zero, so its rows g are the CTA's rows, in the same bits as a whole
   // tile's mma gives them.
-  auto tile = [&](bool kHalf, int kt, const unsigned (&w_in)[4 * K], const RawScale& raw,
+  // i: the local K tile (its staged columns).
+  auto tile = [&](bool kHalf, int i, const unsigned (&w_in)[4 * K], const RawScale& raw,
                   unsigned (&w_next)[4 * K], RawScale& raw_next) {
-    if (kt + warps < k_tiles) load_tile(kt + warps, w_next, raw_next);
+    if (i + wk < warp_tiles) load_tile(kt_of(i + wk), w_next, raw_next);
     unsigned w[4 * K];
     if (kHalf) {  // a constant where inlined (all_tiles)
       select_upper<K>(w_in, upper, w);
@@ -280,7 +360,7 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       const int row = 8 * mt + my_row;
-      const unsigned base = x_base + 16u * (row * stride + kt * 32);
+      const unsigned base = x_base + 16u * (row * stride + i * 32);
       x_even[mt] = row < rows ? base + 16u * (my_chunk ^ my_row) : zero_addr;
       x_odd[mt] = row < rows ? base + 16u * ((4 + my_chunk) ^ my_row) : zero_addr;
     }
@@ -321,9 +401,9 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     }
   };
   auto all_tiles = [&](bool kHalf) {
-    for (int kt = warp; kt < k_tiles; kt += 2 * warps) {
-      tile(kHalf, kt, w_s[0], raw_s[0], w_s[1], raw_s[1]);
-      if (kt + warps < k_tiles) tile(kHalf, kt + warps, w_s[1], raw_s[1], w_s[0], raw_s[0]);
+    for (int i = kw; i < warp_tiles; i += 2 * wk) {
+      tile(kHalf, i, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+      if (i + wk < warp_tiles) tile(kHalf, i + wk, w_s[1], raw_s[1], w_s[0], raw_s[0]);
     }
   };
   if (half_tiles)  // two inlined copies (ptxas reports no stack), each for its constant
@@ -332,9 +412,9 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
     all_tiles(false);
 
   latency_phase(3);  // this warp's tiles decoded and multiplied
-  // The warps' partial tiles (after the staged rows: [warps][M_TILES][32]),
-  // added in warp order.
-  float4* red = reinterpret_cast<float4*>(x_stage + rows * stride);
+  // The warps' partial tiles ([warps][M_TILES][32], after the staged rows;
+  // CLUSTER: before them), added in warp order.
+  float4* red = reinterpret_cast<float4*>(CLUSTER ? x_stage : x_stage + rows * stride);
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
     red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
@@ -345,6 +425,36 @@ __global__ void __launch_bounds__(32 * kLatencyMaxWarps, 1) kbit_gemm_latency(
   // rt * 16 + l / 4 + 8 (c / 2) of W (of a half tile: rt * 16 + 8 upper + l / 4,
   // c < 2), row mt * 8 + 2 (l % 4) + c % 2 of A.
   const float* red_f = reinterpret_cast<const float*>(red);
+  if constexpr (CLUSTER) {
+    // Output (row tile r of the group, mt, lane l, element c): item
+    // ((r * M_TILES + mt) * 32 + l) * 4 + c, the items of rank q those with
+    // item / blockDim.x = q mod ranks. Its sum over ranks, then over the
+    // warps of row tile r (warp kw * cta_row_tiles + r).
+    cluster_sync();  // every CTA's partial tiles written
+    const unsigned red_addr = (unsigned)__cvta_generic_to_shared(red_f);
+    const int items = cta_row_tiles * M_TILES * 128, reads = ranks * wk;
+    for (int i = rank * blockDim.x + threadIdx.x; i < items; i += ranks * blockDim.x) {
+      const int r = i / (M_TILES * 128), within = i - r * (M_TILES * 128);
+      float v[kClusterMaxReads];
+#pragma unroll
+      for (int j = 0; j < kClusterMaxReads; ++j) {
+        if (j < reads) {
+          const int q = j / wk, w = j - q * wk;
+          v[j] = ld_cluster_f32(red_addr + 4u * ((w * cta_row_tiles + r) * M_TILES * 128 + within), q);
+        }
+      }
+      float s = v[0];
+#pragma unroll
+      for (int j = 1; j < kClusterMaxReads; ++j)
+        if (j < reads) s += v[j];
+      const int mt = within >> 7, l = (within >> 2) & 31, c = within & 3;
+      const int n = (group * cta_row_tiles + r) * 16 + (l >> 2) + 8 * (c >> 1);
+      const int m = mt * 8 + 2 * (l & 3) + (c & 1);
+      if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, s);
+    }
+    cluster_sync();  // no CTA leaves while another reads its shared memory
+    return;
+  }
   for (int i = threadIdx.x; i < M_TILES * 128; i += blockDim.x) {
     const int mt = i >> 7, l = (i >> 2) & 31, c = i & 3;
     if (half_tiles && c >= 2) continue;

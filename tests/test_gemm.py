@@ -485,3 +485,36 @@ def test_dispatch_rows_of_2beb469(M, N, K_dim, k, expected):
     from kbit_cupy.gemm import choose_kernel
 
     assert choose_kernel(M, N, K_dim, k, "float16", wgmma=True) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4096), st.integers(1, 2000), st.integers(1, 600), st.sampled_from([78, 114, 132]))
+def test_cluster_geometry_stays_within_the_kernel_limits(M, row_tiles, k_tiles, sms):
+    """gemm_latency.cu's cluster split takes what cluster_geometry gives:
+    <= 8 CTAs per cluster, <= 8 warps, a whole number of warps per row tile,
+    <= 16 partials per output, an M chunk size the package compiles, and
+    staged rows within the cap wherever a smaller chunk exists."""
+    from kbit_cupy import _jit
+    from kbit_cupy.gemm import _CLUSTER_STAGE_BYTES, K_PER_TILE, cluster_geometry
+
+    m_tiles, ranks, per_cta, warps = cluster_geometry(M, row_tiles, k_tiles, sms)
+    assert 1 <= ranks <= min(_jit.GEMM_CLUSTER_MAX_RANKS, k_tiles)
+    assert m_tiles in _jit.GEMM_CLUSTER_M_TILES
+    assert 1 <= per_cta <= 8 and warps % per_cta == 0 and warps <= _jit.GEMM_CLUSTER_MAX_WARPS
+    assert ranks * (warps // per_cta) <= _jit.GEMM_CLUSTER_MAX_READS
+    local_tiles = -(-k_tiles // ranks)
+    stage = min(M, 8 * m_tiles) * local_tiles * K_PER_TILE * 2
+    assert stage <= _CLUSTER_STAGE_BYTES or m_tiles == min(_jit.GEMM_CLUSTER_M_TILES)
+    if k_tiles % 8 == 0:
+        assert ranks == 8  # every CTA the same share
+
+
+def test_numpy_path_takes_the_cluster_kernel_name():
+    from kbit_cupy._arrays import gpu_available
+
+    if gpu_available():
+        pytest.skip("needs a machine without a GPU: the refusal is for GPUs before sm_90")
+    # NumPy A runs the NumPy path whatever the kernel: the name must be known
+    W = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    C = kbit_gemm(np.ones((2, 64), np.float16), quantize_weight(W, k=4), kernel="cluster")
+    assert C.shape == (2, 16)

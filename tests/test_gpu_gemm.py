@@ -20,11 +20,14 @@ DTYPES = [np.float16, BFLOAT16]
 
 
 def needs_kernel(kernel):
-    """Skip the wgmma kernel's cases on GPUs other than sm_90."""
+    """Skip the wgmma kernel's and the cluster split's cases on GPUs other than sm_90."""
+    from kbit_cupy import _launch
     from kbit_cupy.gemm import has_wgmma
 
     if kernel == "wgmma" and not has_wgmma():
         pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    if kernel == "cluster" and not _launch.cluster_launch_supported():
+        pytest.skip("the cluster split needs an sm_90 GPU and cuLaunchKernelEx")
 
 
 def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
@@ -46,7 +49,7 @@ def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
     return w, A, C
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency", "dequant", "auto"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency", "cluster", "dequant", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_small_sweep(kernel, dtype, k):
@@ -59,7 +62,7 @@ def test_small_sweep(kernel, dtype, k):
         run_case(M, N, K_dim, k, dtype, kernel)
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency", "cluster"])
 @pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scale_formats(kernel, fmt, dtype):
@@ -67,7 +70,7 @@ def test_scale_formats(kernel, fmt, dtype):
         run_case(M, 129, 512, 4, dtype, kernel, fmt=fmt)
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency", "cluster"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 40])
 def test_every_e4m4_code(kernel, dtype, M):
@@ -173,6 +176,30 @@ def test_latency_half_tiles_same_bits_as_whole_tiles(monkeypatch, dtype, fmt):
             _, _, C = run_case(M, N, K_dim, k, dtype, "latency", fmt=fmt, seed=N)
             outs[mode] = C
         assert (outs[0].view(cp.uint16) == outs[2].view(cp.uint16)).all(), (M, N, K_dim, k)
+
+
+@pytest.mark.parametrize("M", [1, 17, 64, 100, 257])
+def test_cluster_split_geometries(monkeypatch, M):
+    """gemm_latency.cu's cluster split under forced geometries: ranks that do
+    and do not divide the K tiles (and more ranks than K tiles: CTAs with no
+    K tile), 1..8 row tiles per CTA over N that leaves the last group short,
+    one and several M chunks; each exact to the reference, every element
+    written, the same bits on a second call."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    needs_kernel("cluster")
+    shapes = [(768, 2048, 4), (129, 800, 5), (40, 1280, 2), (300, 256, 3), (8, 32, 4)]
+    for ranks, per_cta, m_tiles in [(0, 0, 0), (1, 1, 2), (3, 2, 4), (8, 8, 8), (5, 4, 2),
+                                    (2, 3, 8)]:
+        monkeypatch.setattr(gemm, "_CLUSTER_RANKS", ranks)
+        monkeypatch.setattr(gemm, "_CLUSTER_ROW_TILES", per_cta)
+        monkeypatch.setattr(gemm, "_CLUSTER_M_TILES", m_tiles)
+        for N, K_dim, k in shapes:
+            w, A, C = run_case(M, N, K_dim, k, np.float16, "cluster", seed=N + ranks)
+            again = kbit_gemm(cp.asarray(A), w, kernel="cluster")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (ranks, per_cta, m_tiles, N)
 
 
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
