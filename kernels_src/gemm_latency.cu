@@ -260,15 +260,29 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // columns differ in number), then the rows.
   extern __shared__ uint4 x_stage[];
   uint4* const stage = CLUSTER ? x_stage + warps * M_TILES * 32 : x_stage;
-  for (int row = 0; row < rows; ++row) {
-    for (int c = threadIdx.x; c < stride; c += blockDim.x) {
-      const int col8 = CLUSTER ? kt_of(c >> 5) * 32 + (c & 31) : c;  // 8-column chunk of A
+  if constexpr (CLUSTER) {
+    // A CTA's rows are short (often one K tile: 32 chunks) and many (up to
+    // 64): a warp per (row, local K tile), so that every warp issues copies.
+    for (int p = warp; p < rows * local_tiles; p += warps) {
+      const int row = p / local_tiles, c = (p - row * local_tiles) * 32 + lane;
+      const int col8 = kt_of(c >> 5) * 32 + lane;  // 8-column chunk of A
       const bool valid = 8 * col8 < K_dim;
       const T* src = valid ? A + (long long)row * K_dim + 8 * col8 : A;
       const unsigned dst =
           (unsigned)__cvta_generic_to_shared(stage + row * stride + (c ^ (row & 7)));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                    "r"(valid ? 16 : 0));
+    }
+  } else {
+    for (int row = 0; row < rows; ++row) {
+      for (int c = threadIdx.x; c < stride; c += blockDim.x) {
+        const bool valid = 8 * c < K_dim;
+        const T* src = valid ? A + (long long)row * K_dim + 8 * c : A;
+        const unsigned dst =
+            (unsigned)__cvta_generic_to_shared(stage + row * stride + (c ^ (row & 7)));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(valid ? 16 : 0));
+      }
     }
   }
   asm volatile("cp.async.commit_group;\n" ::);
