@@ -30,7 +30,7 @@ GEOMETRIES = [("cluster", 0, 0, 0), ("cl_r1", 1, 0, 0), ("cl_r2", 2, 0, 0), ("cl
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", nargs="+", default=LAYERS, help="K_dimxN")
-    p.add_argument("--m", nargs="+", type=int, default=[16, 32, 64, 128, 256])
+    p.add_argument("--m", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256])
     p.add_argument("--k", nargs="+", type=int, default=[2, 4])
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--geometries", nargs="+", default=[g[0] for g in GEOMETRIES])

@@ -13,6 +13,7 @@ import cupy as cp
 import numpy as np
 
 import kbit_cupy as kc
+from kbit_cupy import _launch
 from kbit_cupy._arrays import BFLOAT16
 
 parser = argparse.ArgumentParser()
@@ -21,7 +22,7 @@ parser.add_argument("--no-cublas", action="store_true",
                     help="skip kernel='dequant' (cuBLAS kernels report their own racecheck hazards)")
 parser.add_argument("--stream-k", action="store_true",
                     help="force the mma kernel's stream-K work split (CTAs ending two segments)")
-parser.add_argument("--only", choices=["mma", "wgmma", "latency"],
+parser.add_argument("--only", choices=["mma", "wgmma", "latency", "cluster"],
                     help="one fused kernel (and no cuBLAS)")
 parser.add_argument("--large-m", action="store_true",
                     help="wgmma launches of 129..256 rows only (warp-specialised, tensor copies), "
@@ -35,6 +36,8 @@ if args.stream_k:
 
 rng = np.random.default_rng(0)
 fused = ("mma", "wgmma", "latency") if kc.gemm.has_wgmma() else ("mma", "latency")  # this GPU runs
+if _launch.cluster_launch_supported():  # gemm_latency.cu's cluster split (sm_90)
+    fused += ("cluster",)
 if args.only:
     fused = tuple(f for f in fused if f == args.only)
 shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),

@@ -139,14 +139,15 @@ _pdl_devices: dict[int, bool] = {}
 
 
 def cluster_launch_supported() -> bool:
-    """Whether the current device takes thread-block cluster launches here:
-    compute capability 9.0 or newer and a driver with cuLaunchKernelEx (the
-    launch attribute that sets the cluster size needs it)."""
+    """Whether the current device runs gemm_latency.cu's cluster split: compute
+    capability 9.0 (its variants are built for sm_90a, which runs on sm_90
+    only) and a driver with cuLaunchKernelEx (the launch attribute that sets
+    the cluster size needs it)."""
     dev = current_device()
     found = _cluster_devices.get(dev)
     if found is None:
-        major = cupy().cuda.Device(dev).compute_capability[:-1]
-        found = _cluster_devices[dev] = int(major) >= 9 and _launch_kernel_ex() is not None
+        cc = cupy().cuda.Device(dev).compute_capability
+        found = _cluster_devices[dev] = cc == "90" and _launch_kernel_ex() is not None
     return found
 
 

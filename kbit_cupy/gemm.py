@@ -373,7 +373,7 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         fewer where K_dim is long), ``"cluster"`` (the latency kernel's
         decode with the K tiles split over a thread-block cluster and A
         staged per M chunk, for small layers at tens to hundreds of rows;
-        sm_90 GPUs only) or ``"dequant"`` (dequantize to a scratch
+        sm_90 GPUs only; new, not yet measured: benchmarks/NOTES-gemm.md) or ``"dequant"`` (dequantize to a scratch
         weight, then cuBLAS); ignored for NumPy A.
 
     Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the

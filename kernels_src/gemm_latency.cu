@@ -55,7 +55,9 @@
 // cluster barrier rank r adds its share of the group's outputs over all ranks
 // and warps (rank-major, then warp: a fixed order, the same bits on every
 // call) through distributed shared memory, and a second barrier keeps every
-// CTA's shared memory alive until all reads are done.
+// CTA's shared memory alive until all reads are done. (The phase stamps
+// below are for the other launches: a cluster CTA returns before the exit
+// stamp, and the stamps' slots are per blockIdx.x only.)
 #include "common.cuh"
 #include "mma_common.cuh"
 
@@ -167,13 +169,15 @@ __device__ __forceinline__ void cluster_sync() {
                "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
-// The float at shared address `addr` (this CTA's layout) in CTA `rank` of the cluster.
-__device__ __forceinline__ float ld_cluster_f32(unsigned addr, int rank) {
-  float v = 0.0f;
+// The float4 at shared address `addr` (16-byte aligned, this CTA's layout) in
+// CTA `rank` of the cluster.
+__device__ __forceinline__ float4 ld_cluster_f32x4(unsigned addr, int rank) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
 #endif
   return v;
 }
@@ -440,31 +444,40 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // c < 2), row mt * 8 + 2 (l % 4) + c % 2 of A.
   const float* red_f = reinterpret_cast<const float*>(red);
   if constexpr (CLUSTER) {
-    // Output (row tile r of the group, mt, lane l, element c): item
-    // ((r * M_TILES + mt) * 32 + l) * 4 + c, the items of rank q those with
+    // Output float4 (row tile r of the group, mt, lane l): item
+    // (r * M_TILES + mt) * 32 + l, the items of rank q those with
     // item / blockDim.x = q mod ranks. Its sum over ranks, then over the
-    // warps of row tile r (warp kw * cta_row_tiles + r).
+    // warps of row tile r (warp kw * cta_row_tiles + r), element by element.
     cluster_sync();  // every CTA's partial tiles written
-    const unsigned red_addr = (unsigned)__cvta_generic_to_shared(red_f);
-    const int items = cta_row_tiles * M_TILES * 128, reads = ranks * wk;
+    const unsigned red_addr = (unsigned)__cvta_generic_to_shared(red);
+    const int items = cta_row_tiles * M_TILES * 32, reads = ranks * wk;
     for (int i = rank * blockDim.x + threadIdx.x; i < items; i += ranks * blockDim.x) {
-      const int r = i / (M_TILES * 128), within = i - r * (M_TILES * 128);
-      float v[kClusterMaxReads];
+      const int r = i / (M_TILES * 32), within = i - r * (M_TILES * 32);
+      float4 v[kClusterMaxReads];
 #pragma unroll
       for (int j = 0; j < kClusterMaxReads; ++j) {
         if (j < reads) {
           const int q = j / wk, w = j - q * wk;
-          v[j] = ld_cluster_f32(red_addr + 4u * ((w * cta_row_tiles + r) * M_TILES * 128 + within), q);
+          v[j] = ld_cluster_f32x4(red_addr + 16u * ((w * cta_row_tiles + r) * M_TILES * 32 + within), q);
         }
       }
-      float s = v[0];
+      float4 s = v[0];
 #pragma unroll
-      for (int j = 1; j < kClusterMaxReads; ++j)
-        if (j < reads) s += v[j];
-      const int mt = within >> 7, l = (within >> 2) & 31, c = within & 3;
-      const int n = (group * cta_row_tiles + r) * 16 + (l >> 2) + 8 * (c >> 1);
-      const int m = mt * 8 + 2 * (l & 3) + (c & 1);
-      if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, s);
+      for (int j = 1; j < kClusterMaxReads; ++j) {
+        if (j < reads) {
+          s.x += v[j].x;
+          s.y += v[j].y;
+          s.z += v[j].z;
+          s.w += v[j].w;
+        }
+      }
+      const int mt = within >> 5, l = within & 31;
+      const int n = (group * cta_row_tiles + r) * 16 + (l >> 2);  // elements 2, 3: n + 8
+      const int m = mt * 8 + 2 * (l & 3);                         // elements 1, 3: m + 1
+      if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, s.x);
+      if (n < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n, s.y);
+      if (n + 8 < N && m < rows) Mma<T>::store(C + (long long)m * N + n + 8, s.z);
+      if (n + 8 < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n + 8, s.w);
     }
     cluster_sync();  // no CTA leaves while another reads its shared memory
     return;

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The cluster split's (gemm_latency.cu, CLUSTER; kernel="cluster") first runs on
+# a GPU, in two device calls of under 10 minutes each; results go to $OUT.
+#   KBIT_COMMIT=<commit> bash benchmarks/cluster_first_run.sh check   # GPU tests, sanitizers
+#   KBIT_COMMIT=<commit> bash benchmarks/cluster_first_run.sh bench   # the sweep (H100 or H200)
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+commit=${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}
+out=${OUT:-/tmp}
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$gpu" in *H200*) tag=h200 ;; *H100*) tag=h100 ;; *) tag=gpu ;; esac
+echo "$gpu  commit $commit"
+case "${1:-}" in
+  check)
+    timeout 240 python -m pytest -q tests/test_gpu_gemm.py -k cluster 2>&1 \
+      | tee "$out/gpu_tests_cluster_${tag}_${commit}.txt" | tail -n 15
+    for tool in memcheck racecheck; do  # (racecheck is the slower: 200 s)
+      timeout $([ "$tool" = memcheck ] && echo 110 || echo 200) compute-sanitizer --tool "$tool" python benchmarks/sanitize_kernels.py --quick \
+        --only cluster 2>&1 | tee "$out/sanitize_cluster_${tool}_${tag}_${commit}.txt" | tail -n 4
+    done ;;
+  bench)
+    timeout 540 python benchmarks/cluster_split.py --out "$out/cluster_${tag}_${commit}" 2>&1 \
+      | tee "$out/cluster_${tag}_${commit}.log" | tail -n 60 ;;
+  *) echo "usage: $0 check|bench" >&2; exit 2 ;;
+esac

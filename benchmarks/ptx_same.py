@@ -1,0 +1,90 @@
+"""Whether a kernel family's variants compile to the same PTX as at another
+commit (no GPU: NVRTC only), names aside.
+
+For a change that must leave existing variants alone (a new template
+argument, a new trailing parameter, a new mode under ``if constexpr``): both
+trees' variants of ``--family`` that exist at ``--against`` are compiled with
+the package's options for sm_80 and sm_90a, mangled names, internal symbol
+prefixes and the parameters past the old count are normalised away, and the
+PTX is compared entry by entry. Same PTX means ptxas builds the same SASS.
+
+    python benchmarks/ptx_same.py --family gemm_latency --against 44ed5ba
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+_DUMP = r"""
+import json, re, sys
+from cupy_backends.cuda.libs import nvrtc
+from kbit_cupy import _jit
+family, arch, names = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+vs = [v for v in _jit.all_variants() if v.family == family and (not names or v.name in names)
+      and (arch == "sm_90a" or not _jit.needs_sm90a(v.family, v.args))]
+prog = nvrtc.createProgram(_jit.render_source(family), "kbit.cu", [], [])
+for v in vs:
+    nvrtc.addNameExpression(prog, v.name)
+nvrtc.compileProgram(prog, [*_jit.compile_options(), "-ftz=true", f"-arch={arch}"])
+ptx = nvrtc.getPTX(prog)
+ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+out = {}
+for e in re.split(r"(?=^\.(?:visible |weak )?\.entry )", ptx, flags=re.M)[1:]:
+    out[e.split("(")[0].split()[-1]] = e
+print(json.dumps({v.name: out[nvrtc.getLoweredName(prog, v.name)] for v in vs}))
+"""
+
+
+def _entries(root: str, family: str, arch: str, names: list[str]) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", _DUMP, family, arch, json.dumps(names)],
+                          cwd=root, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"compiling {family} for {arch} in {root} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def _normalised(entry: str, params: int) -> str:
+    head, body = entry.split(")", 1)
+    kept = [p.rstrip(",") for p in head.split("\n") if ".param" not in p or
+            int(re.search(r"_param_(\d+)", p).group(1)) < params]
+    entry = "\n".join(kept) + ")" + body
+    entry = re.sub(r"_ZN?\d*_INTERNAL_\w+?kbit_cu_[0-9a-f]+_\d+kbit", "INTERNAL", entry)
+    entry = re.sub(r"_Z\w+?(_param_\d+)", r"SYMBOL\1", entry)  # the entry's parameters
+    return re.sub(r"_Z\w+", "SYMBOL", entry)  # mangled names (the entry's, its locals')
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", required=True, help="kernels_src file stem, e.g. gemm_latency")
+    p.add_argument("--against", required=True, help="a commit of this repository")
+    args = p.parse_args()
+    here = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    differ = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", "-q", tmp, args.against],
+                       check=True)
+        try:
+            for arch in ("sm_80", "sm_90a"):
+                old = _entries(tmp, args.family, arch, [])
+                new = _entries(here, args.family, arch, sorted(old))
+                for name, entry in old.items():
+                    params = entry.split(")", 1)[0].count(".param")
+                    same = _normalised(entry, params) == _normalised(new[name], params)
+                    differ += not same
+                    print(f"{arch} {'same   ' if same else 'DIFFERS'} {name}")
+        finally:
+            subprocess.run(["git", "-C", here, "worktree", "remove", "--force", tmp], check=False)
+    print(f"{differ} variant(s) differ")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
