@@ -12,7 +12,7 @@ case "$gpu" in *H200*) tag=h200 ;; *H100*) tag=h100 ;; *) tag=gpu ;; esac
 echo "$gpu  commit $commit"
 case "${1:-}" in
   check)
-    timeout 240 python -m pytest -q tests/test_gpu_gemm.py -k cluster 2>&1 \
+    timeout 240 python -m pytest -q tests/test_gpu_gemm.py tests/test_gpu_callpath.py -k cluster 2>&1 \
       | tee "$out/gpu_tests_cluster_${tag}_${commit}.txt" | tail -n 15
     for tool in memcheck racecheck; do  # (racecheck is the slower: 200 s)
       timeout $([ "$tool" = memcheck ] && echo 110 || echo 200) compute-sanitizer --tool "$tool" python benchmarks/sanitize_kernels.py --quick \

@@ -184,6 +184,22 @@ class PdlLaunch:
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {rc})")
 
+    def max_active_clusters(self) -> int | None:
+        """Clusters of this launch's size and shape resident at once on the
+        device (cuOccupancyMaxActiveClusters); None where the driver cannot
+        say (no such entry point, or an error): the caller then goes on and
+        the launch itself reports a cluster that cannot be placed."""
+        lib = libcuda()
+        fn = getattr(lib, "cuOccupancyMaxActiveClusters", None) if lib is not None else None
+        if fn is None:
+            return None
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
+        count = ctypes.c_int(0)
+        if fn(ctypes.byref(count), self.func, self.config_ptr) != 0:
+            return None
+        return count.value
+
 
 class Launch:
     """One kernel launch with its argument block built once.

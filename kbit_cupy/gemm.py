@@ -512,6 +512,10 @@ class _GemmPlan:
         if self.choice == "cluster":
             launch, ranks = _plan_cluster_launch(M, weight, dtype)
             run = _launch.PdlLaunch(launch, pdl=_launch.pdl_supported(), cluster=ranks)
+            if run.max_active_clusters() == 0:  # (None: the driver cannot say)
+                raise ValueError(f"a cluster of {ranks} CTAs of {launch.block[0]} threads and "
+                                 f"{launch.shared} bytes of shared memory does not fit this GPU; "
+                                 "use kernel='mma'")
             self.launches.append((launch, 0, M, 0, run))
             self.single = (launch.prefix, launch.argv, launch.value(_ARG_A), launch.value(_ARG_C))
             self.pdl = run

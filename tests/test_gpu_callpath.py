@@ -53,6 +53,8 @@ def _gemm_kernels():
     kernels = ["mma", "latency", "dequant", "auto"]
     if kc.gemm.has_wgmma():
         kernels.append("wgmma")
+    if kc._launch.cluster_launch_supported():  # (sm_90: the cluster split)
+        kernels.append("cluster")
     return kernels
 
 
