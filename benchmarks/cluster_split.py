@@ -40,12 +40,13 @@ def main() -> int:
 
     import cupy as cp
 
-    from kbit_cupy import _launch, gemm, kbit_gemm, quantize_weight
+    from kbit_cupy import gemm, kbit_gemm, quantize_weight
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
     sys_path_benchmarks()
     from define_ab import module_attributes
+    from latency_kernel import activations_and_cublas
 
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
     info = harness.gpu_info()
@@ -61,16 +62,7 @@ def main() -> int:
         cp.cuda.Device().synchronize()  # prepare() ran on the default stream
         rt_n, kt_n = gemm._tile_counts(N, K_dim)
         for M in args.m:
-            A = (cp.random.default_rng(1).standard_normal((M, K_dim), dtype=cp.float32)
-                 .astype(dtype))
-            A16 = A.astype(cp.float16) if dtype != np.float16 else A
-            C16 = cp.empty((M, N), cp.float16)
-
-            def cublas(A16=A16, C16=C16, W=W, M=M, N=N, K_dim=K_dim):
-                _launch.cublas_gemm(M, N, K_dim, "float16", A16.data.ptr, W.data.ptr, C16.data.ptr,
-                                    cp.cuda.get_current_stream().ptr)
-                return C16
-
+            A, cublas = activations_and_cublas(W, M, dtype)
             base = _time(harness, cublas, args.reps)
             records.append(_record(K_dim, N, M, 16, "cublas", "", args.dtype, base, base))
             print(f"{K_dim:>5}x{N:<5} M={M:<4} cublas_fp16 {base:8.2f} us", flush=True)
@@ -120,7 +112,7 @@ def main() -> int:
 
 
 def sys_path_benchmarks() -> None:
-    """define_ab (this folder) importable when run as a script from the root."""
+    """define_ab and latency_kernel (this folder) importable when run as a script from the root."""
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))

@@ -35,7 +35,7 @@ def main() -> int:
 
     import cupy as cp
 
-    from kbit_cupy import _launch, kbit_gemm, quantize_weight
+    from kbit_cupy import kbit_gemm, quantize_weight
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
@@ -51,16 +51,7 @@ def main() -> int:
         weights = {k: quantize_weight(W, k=k).prepare() for k in args.k}
         cp.cuda.Device().synchronize()  # prepare() ran on the default stream
         for M in args.m:
-            A = (cp.random.default_rng(1).standard_normal((M, K_dim), dtype=cp.float32)
-                 .astype(dtype))
-            A16 = A.astype(cp.float16) if dtype != np.float16 else A
-            C16 = cp.empty((M, N), cp.float16)
-
-            def cublas(A16=A16, C16=C16, W=W, M=M, N=N, K_dim=K_dim):
-                _launch.cublas_gemm(M, N, K_dim, "float16", A16.data.ptr, W.data.ptr, C16.data.ptr,
-                                    cp.cuda.get_current_stream().ptr)
-                return C16
-
+            A, cublas = activations_and_cublas(W, M, dtype)
             ops = {"cublas_fp16": (16, "cublas", cublas)}
             for k, w in weights.items():
                 ref = kbit_gemm(A, w, kernel="mma").astype(cp.float32)
@@ -94,6 +85,27 @@ def main() -> int:
                               title="gemm_latency vs gemm_mma vs cuBLAS fp16 (kernel-only)")
         print(f"wrote {args.out}.json and {args.out}.md")
     return 0
+
+
+def activations_and_cublas(W, M: int, dtype):
+    """A [M, K_dim] of ``dtype`` (standard normal, seed 1) for the fp16 weight
+    W [N, K_dim], and the baseline op: cuBLAS fp16 ``A @ W.T`` through its
+    capturable call (A cast to fp16 once, the output preallocated)."""
+    import cupy as cp
+
+    from kbit_cupy import _launch
+
+    N, K_dim = W.shape
+    A = cp.random.default_rng(1).standard_normal((M, K_dim), dtype=cp.float32).astype(dtype)
+    A16 = A.astype(cp.float16) if dtype != np.float16 else A
+    C16 = cp.empty((M, N), cp.float16)
+
+    def cublas():
+        _launch.cublas_gemm(M, N, K_dim, "float16", A16.data.ptr, W.data.ptr, C16.data.ptr,
+                            cp.cuda.get_current_stream().ptr)
+        return C16
+
+    return A, cublas
 
 
 if __name__ == "__main__":

@@ -509,17 +509,6 @@ class _GemmPlan:
             _launch.blas().bind(stream)  # creates the handle and the stream's workspace now
             return
         weight.prepare()
-        if self.choice == "cluster":
-            launch, ranks = _plan_cluster_launch(M, weight, dtype)
-            run = _launch.PdlLaunch(launch, pdl=_launch.pdl_supported(), cluster=ranks)
-            if run.max_active_clusters() == 0:  # (None: the driver cannot say)
-                raise ValueError(f"a cluster of {ranks} CTAs of {launch.block[0]} threads and "
-                                 f"{launch.shared} bytes of shared memory does not fit this GPU; "
-                                 "use kernel='mma'")
-            self.launches.append((launch, 0, M, 0, run))
-            self.single = (launch.prefix, launch.argv, launch.value(_ARG_A), launch.value(_ARG_C))
-            self.pdl = run
-            return
         wg = self.choice == "wgmma"
         if self.choice == "latency":
             step = _latency_rows(K_dim, dtype.itemsize)
@@ -529,11 +518,22 @@ class _GemmPlan:
             step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
             if M > step and _tensor_maps_available() and _slab_launch_ok(weight, dtype.name):
                 step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
+        elif self.choice == "cluster":
+            step = M  # one launch: its M chunks run along grid y
         else:
             step = _MMA_MAX_M
         pdl = _launch.pdl_supported()  # gemm_mma.cu: grid_dependency_sync
         for m0 in range(0, M, step):
             rows = min(M, m0 + step) - m0
+            if self.choice == "cluster":
+                launch, ranks = _plan_cluster_launch(rows, weight, dtype)
+                run = _launch.PdlLaunch(launch, pdl=pdl, cluster=ranks)
+                if run.max_active_clusters() == 0:  # (None: the driver cannot say)
+                    raise ValueError(f"a cluster of {ranks} CTAs of {launch.block[0]} threads and "
+                                     f"{launch.shared} bytes of shared memory does not fit this "
+                                     "GPU; use kernel='mma'")
+                self.launches.append((launch, m0, rows, 0, run))
+                continue
             if self.choice == "latency":
                 launch, map_tiles = _plan_latency_launch(rows, weight, dtype), 0
             else:
@@ -546,7 +546,8 @@ class _GemmPlan:
             launch = self.launches[0][0]
             self.single = (launch.prefix, launch.argv, launch.value(_ARG_A),
                            launch.value(_ARG_C))
-            self.pdl = self.launches[0][4] if pdl else None
+            run = self.launches[0][4]
+            self.pdl = run if run is not launch else None  # through cuLaunchKernelEx
 
     def _output(self, stream):
         """A new C, or the plan's previous C (up to _SPARE_MAX_BYTES) when
