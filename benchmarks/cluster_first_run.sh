@@ -3,6 +3,8 @@
 # a GPU, in two device calls of under 10 minutes each; results go to $OUT.
 #   KBIT_COMMIT=<commit> bash benchmarks/cluster_first_run.sh check   # GPU tests, sanitizers
 #   KBIT_COMMIT=<commit> bash benchmarks/cluster_first_run.sh bench   # the sweep (H100 or H200)
+#   KBIT_COMMIT=<commit> bash benchmarks/cluster_first_run.sh confirm # auto's cluster rows:
+#     the GPU GEMM tests, then the small layers at 17..128 rows, fp16 (every geometry) and bf16
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 commit=${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}
@@ -21,5 +23,14 @@ case "${1:-}" in
   bench)
     timeout 540 python benchmarks/cluster_split.py --out "$out/cluster_${tag}_${commit}" 2>&1 \
       | tee "$out/cluster_${tag}_${commit}.log" | tail -n 60 ;;
-  *) echo "usage: $0 check|bench" >&2; exit 2 ;;
+  confirm)
+    timeout 300 python -m pytest -q -x tests/test_gpu_gemm.py tests/test_gpu_callpath.py 2>&1 \
+      | tee "$out/gpu_tests_gemm_${tag}_${commit}.txt" | tail -n 4
+    small="--layers 2048x768 768x2048 2048x512 --m 17 32 48 64 128"
+    timeout 170 python benchmarks/cluster_split.py $small --out "$out/cluster_${tag}_${commit}" 2>&1 \
+      | tee "$out/cluster_${tag}_${commit}.log" | tail -n 30
+    timeout 100 python benchmarks/cluster_split.py $small --dtype bfloat16 --geometries cluster \
+      --out "$out/cluster_${tag}_${commit}_bfloat16" 2>&1 \
+      | tee "$out/cluster_${tag}_${commit}_bfloat16.log" | tail -n 30 ;;
+  *) echo "usage: $0 check|bench|confirm" >&2; exit 2 ;;
 esac

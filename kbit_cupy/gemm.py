@@ -373,7 +373,8 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         fewer where K_dim is long), ``"cluster"`` (the latency kernel's
         decode with the K tiles split over a thread-block cluster and A
         staged per M chunk, for small layers at tens to hundreds of rows;
-        sm_90 GPUs only; new, not yet measured: benchmarks/NOTES-gemm.md) or ``"dequant"`` (dequantize to a scratch
+        sm_90 GPUs only; ``"auto"`` takes it on small layers at 17..64 rows:
+        benchmarks/NOTES-gemm.md) or ``"dequant"`` (dequantize to a scratch
         weight, then cuBLAS); ignored for NumPy A.
 
     Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the
@@ -492,6 +493,8 @@ class _GemmPlan:
         self.a_strides = _c_strides(out_shape[:-1] + (K_dim,), dtype.itemsize)
         self.M, self.N, self.K_dim = M, N, K_dim
         self.choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, dtype)
+        if self.choice == "cluster" and kernel == "auto" and not _launch.cluster_launch_supported():
+            self.choice = "mma"  # sm_90 but a driver without cuLaunchKernelEx
         self.launches = []  # (Launch, first row, rows, tensor-map n8 tiles or 0)
         self.scratch = None
         self.single = None
@@ -526,14 +529,19 @@ class _GemmPlan:
         for m0 in range(0, M, step):
             rows = min(M, m0 + step) - m0
             if self.choice == "cluster":
-                launch, ranks = _plan_cluster_launch(rows, weight, dtype)
-                run = _launch.PdlLaunch(launch, pdl=pdl, cluster=ranks)
-                if run.max_active_clusters() == 0:  # (None: the driver cannot say)
-                    raise ValueError(f"a cluster of {ranks} CTAs of {launch.block[0]} threads and "
-                                     f"{launch.shared} bytes of shared memory does not fit this "
-                                     "GPU; use kernel='mma'")
-                self.launches.append((launch, m0, rows, 0, run))
-                continue
+                try:
+                    launch, ranks = _plan_cluster_launch(rows, weight, dtype)
+                    run = _launch.PdlLaunch(launch, pdl=pdl, cluster=ranks)
+                    if run.max_active_clusters() == 0:  # (None: the driver cannot say)
+                        raise ValueError(f"a cluster of {ranks} CTAs of {launch.block[0]} threads "
+                                         f"and {launch.shared} bytes of shared memory does not "
+                                         "fit this GPU; use kernel='mma'")
+                    self.launches.append((launch, m0, rows, 0, run))
+                    continue
+                except ValueError:
+                    if kernel != "auto" or rows > _MMA_MAX_M:
+                        raise
+                    self.choice = "mma"  # auto: what the table ran before the cluster split
             if self.choice == "latency":
                 launch, map_tiles = _plan_latency_launch(rows, weight, dtype), 0
             else:
@@ -637,7 +645,8 @@ def has_wgmma() -> bool:
 # kernel="auto": the dispatch table
 #
 # One row per (GPU kind, layer class, k, activation dtype, weight count): up
-# to ``lat_max`` rows of A run the latency kernel, up to ``mma_max`` the mma
+# to ``lat_max`` rows of A run the latency kernel, up to ``cl_max`` the
+# cluster split (sm_90 with cuLaunchKernelEx; else mma), up to ``mma_max`` the mma
 # kernel, up to ``wg_max`` the wgmma kernel (sm_90 only), beyond that
 # dequantize + cuBLAS. The first row that
 # matches decides. Layer classes (``_layer_class``): "widest" N >= 16384, or
@@ -678,6 +687,14 @@ def has_wgmma() -> bool:
 #   kernel on 5120x5120 27% slower at M = 1 than at M = 2 (k = 3: 13.75
 #   against 10.79 us); the two later runs of the same kernel have 10.50 and
 #   10.51 us (mma 12.1): the run's, not the kernel's.
+# - cl_max (sm_90): benchmarks/results/cluster_h100_e0c1b1b.json (the cluster
+#   split at 8 geometries against mma, latency and dequantize + cuBLAS, M 8..256,
+#   k 2 and 4, fp16, kernel-only). On the small layers (2048x768, 768x2048,
+#   2048x512) its best geometry at M = 32 and 64 (32-row chunks, 4 row tiles per
+#   CTA: cluster_geometry's choice there) ran 1.12-1.26x what auto ran (mma);
+#   at M = 8 and 16 the latency kernel is faster (1.2-1.5x), at M = 128 it won
+#   on two of the three layers only and by 5-12%, at 256 it lost. On 4096x4096
+#   it lost at every M (0.34-0.71x auto): not on "mid" layers.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -697,6 +714,7 @@ class DispatchRule:
     min_weights: int = 0
     max_weights: int | None = None  # exclusive
     lat_max: int = 0  # up to this many rows: the latency kernel (before mma)
+    cl_max: int = 0  # then up to this many rows: the cluster split (sm_90; before mma)
 
 
 _HUGE = 1 << 27  # weights
@@ -717,7 +735,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
     DispatchRule(True, "mid", 64, 256),
-    DispatchRule(True, "small", 64, 64, lat_max=16),  # wgmma never wins
+    DispatchRule(True, "small", 64, 64, lat_max=16, cl_max=64),  # wgmma never wins
     # other GPUs: mma, then dequantize + cuBLAS
     DispatchRule(False, "widest", 192, 0),
     DispatchRule(False, "large", 128, 0),
@@ -736,8 +754,8 @@ def _layer_class(N: int, K_dim: int, k: int, wgmma: bool) -> str:
 
 
 @functools.cache
-def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int, int]:
-    """(lat_max, mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
+def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int, int, int]:
+    """(lat_max, cl_max, mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
     layer, weights = _layer_class(N, K_dim, k, wgmma), N * K_dim
     for rule in DISPATCH_TABLE:
         if (rule.wgmma == wgmma and rule.layer == layer
@@ -745,26 +763,29 @@ def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int,
                 and (rule.fp16 is None or rule.fp16 == fp16)
                 and weights >= rule.min_weights
                 and (rule.max_weights is None or weights < rule.max_weights)):
-            return rule.lat_max, rule.mma_max, rule.wg_max
+            return rule.lat_max, rule.cl_max, rule.mma_max, rule.wg_max
     raise AssertionError(f"no dispatch rule for {N}x{K_dim} k={k}")  # the table covers all
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None) -> str:
-    """The kernel ``kernel="auto"`` runs for these sizes ("latency", "mma",
-    "wgmma" or "dequant"), from ``DISPATCH_TABLE``.
+    """The kernel ``kernel="auto"`` runs for these sizes ("latency", "cluster",
+    "mma", "wgmma" or "dequant"), from ``DISPATCH_TABLE``. (A "cluster" pick
+    runs mma where the GPU or its driver cannot launch clusters.)
 
     ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
     current device (False without a GPU).
     """
     if wgmma is None:
         wgmma = _device_has_wgmma()
-    lat_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
+    lat_max, cl_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
     # The latency kernel only in one launch: it stages whole rows of A, so
     # long rows take fewer per launch, and two launches cost twice one (H100,
     # 5120x5120 k=2 bf16 at M = 8, 6 rows per launch: 22.5 us against mma's
     # 11.7; M = 4: 10.1 against 11.5).
     if M <= lat_max and M <= _latency_rows(K_dim, 2):  # A is fp16 or bf16: 2 bytes
         return "latency"
+    if M <= cl_max:
+        return "cluster"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 
 
@@ -989,11 +1010,12 @@ def cluster_geometry(M: int, row_tiles: int, k_tiles: int, sms: int,
 
     Ranks split the K tiles: the largest divisor of k_tiles up to 8 when it
     is at least half of min(k_tiles, 8) (every CTA the same share), else
-    min(k_tiles, 8). M chunks: the fewest n8 tiles that cover M, at most 8
-    (64 rows; longer M runs in more chunks), fewer where a chunk's rows of the
-    CTA's K tiles would pass _CLUSTER_STAGE_BYTES. Row tiles per CTA: the most (up
-    to 8) that still give every SM a CTA, since a CTA's staged A serves all
-    of its row tiles. Warps: one per (row tile, share of the CTA's K tiles),
+    min(k_tiles, 8). M chunks: the fewest n8 tiles that cover M, at most 4
+    (32 rows) up to M = 64 and at most 8 (64 rows) beyond (longer M runs in
+    more chunks), fewer where a chunk's rows of the CTA's K tiles would pass
+    _CLUSTER_STAGE_BYTES. Row tiles per CTA: 4 up to M = 64 (measured best on
+    the small layers); beyond, the most (up to 8) that still give every SM a
+    CTA, since a CTA's staged A serves all of its row tiles. Warps: one per (row tile, share of the CTA's K tiles),
     at most 8, with ranks x warps per row tile <= 16 (the partials an output
     adds).
     """
@@ -1003,14 +1025,23 @@ def cluster_geometry(M: int, row_tiles: int, k_tiles: int, sms: int,
         ranks = top
     ranks = _CLUSTER_RANKS or ranks
     local_tiles = math.ceil(k_tiles / ranks)
+    # Up to 64 rows: chunks of at most 32 rows (4 n8 tiles) and 4 row tiles per
+    # CTA, the best measured on the small layers at M = 32 and 64 even where
+    # that leaves SMs without a CTA (cluster_h100_e0c1b1b: 2048x512 at M = 32
+    # 0.98x cuBLAS with 64 CTAs against 0.74x at 256 CTAs of one row tile;
+    # 2048x768 at M = 64, 32-row chunks 0.86x against 64-row chunks 0.71x).
+    few = M <= 64
     m_tiles = _CLUSTER_M_TILES or next(
-        (t for t in _jit.GEMM_CLUSTER_M_TILES if 8 * t >= M), max(_jit.GEMM_CLUSTER_M_TILES))
+        (t for t in _jit.GEMM_CLUSTER_M_TILES if 8 * t >= M or (few and t == 4)),
+        max(_jit.GEMM_CLUSTER_M_TILES))
     while (m_tiles > min(_jit.GEMM_CLUSTER_M_TILES) and not _CLUSTER_M_TILES
            and min(M, 8 * m_tiles) * local_tiles * K_PER_TILE * itemsize > _CLUSTER_STAGE_BYTES):
         m_tiles = max(t for t in _jit.GEMM_CLUSTER_M_TILES if t < m_tiles)
     chunks = math.ceil(M / (8 * m_tiles))
     per_cta = _CLUSTER_ROW_TILES
-    if not per_cta:
+    if not per_cta and few:
+        per_cta = min(4, row_tiles)
+    elif not per_cta:
         per_cta = 1
         for r in (2, 4, 8):
             if r <= row_tiles and ranks * math.ceil(row_tiles / r) * chunks >= sms:
