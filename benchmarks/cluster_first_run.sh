@@ -5,6 +5,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/cluster_first_run.sh bench   # the sweep (H100 or H200)
 #   KBIT_COMMIT=<commit> bash benchmarks/cluster_first_run.sh confirm # auto's cluster rows:
 #     the GPU GEMM tests, then the small layers at 17..128 rows, fp16 (every geometry) and bf16
+#     (QUICK=1: fp16, the geometry auto takes, at 17, 33, 48, 64 rows)
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 commit=${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}
@@ -24,12 +25,16 @@ case "${1:-}" in
     timeout 540 python benchmarks/cluster_split.py --out "$out/cluster_${tag}_${commit}" 2>&1 \
       | tee "$out/cluster_${tag}_${commit}.log" | tail -n 60 ;;
   confirm)
-    timeout 300 python -m pytest -q -x tests/test_gpu_gemm.py tests/test_gpu_callpath.py 2>&1 \
+    timeout 200 python benchmarks/warm_kernel_cache.py --families gemm_mma gemm_latency dequantize \
+      quantize | tail -n 1
+    timeout 250 python -m pytest -q -x tests/test_gpu_gemm.py tests/test_gpu_callpath.py 2>&1 \
       | tee "$out/gpu_tests_gemm_${tag}_${commit}.txt" | tail -n 4
-    small="--layers 2048x768 768x2048 2048x512 --m 17 32 48 64 128"
-    timeout 170 python benchmarks/cluster_split.py $small --out "$out/cluster_${tag}_${commit}" 2>&1 \
-      | tee "$out/cluster_${tag}_${commit}.log" | tail -n 30
-    timeout 100 python benchmarks/cluster_split.py $small --dtype bfloat16 --geometries cluster \
+    [ -n "${QUICK:-}" ] && small="--layers 2048x768 768x2048 2048x512 --m 17 33 48 64 --geometries cluster" \
+      || small="--layers 2048x768 768x2048 2048x512 --m 17 32 48 64 128"
+    name=cluster_${tag}_${commit}; [ -n "${QUICK:-}" ] && name=cluster_check_${tag}_${commit}
+    timeout 170 python benchmarks/cluster_split.py $small --out "$out/$name" 2>&1 \
+      | tee "$out/$name.log" | tail -n 30
+    [ -z "${QUICK:-}" ] && timeout 100 python benchmarks/cluster_split.py $small --dtype bfloat16 --geometries cluster \
       --out "$out/cluster_${tag}_${commit}_bfloat16" 2>&1 \
       | tee "$out/cluster_${tag}_${commit}_bfloat16.log" | tail -n 30 ;;
   *) echo "usage: $0 check|bench|confirm" >&2; exit 2 ;;

@@ -1030,10 +1030,16 @@ def cluster_geometry(M: int, row_tiles: int, k_tiles: int, sms: int,
     # that leaves SMs without a CTA (cluster_h100_e0c1b1b: 2048x512 at M = 32
     # 0.98x cuBLAS with 64 CTAs against 0.74x at 256 CTAs of one row tile;
     # 2048x768 at M = 64, 32-row chunks 0.86x against 64-row chunks 0.71x).
+    # Of 16- and 32-row chunks the one that pads M the least, the longer on a
+    # tie (cluster_h100_0f6f295: at M = 48 three 16-row chunks ran 1.01-1.08x
+    # two 32-row chunks on the three small layers).
     few = M <= 64
-    m_tiles = _CLUSTER_M_TILES or next(
-        (t for t in _jit.GEMM_CLUSTER_M_TILES if 8 * t >= M or (few and t == 4)),
-        max(_jit.GEMM_CLUSTER_M_TILES))
+    if few:
+        m_tiles = min((t for t in _jit.GEMM_CLUSTER_M_TILES if t <= 4),
+                      key=lambda t: (math.ceil(M / (8 * t)) * 8 * t, -t))
+    else:
+        m_tiles = max(_jit.GEMM_CLUSTER_M_TILES)
+    m_tiles = _CLUSTER_M_TILES or m_tiles
     while (m_tiles > min(_jit.GEMM_CLUSTER_M_TILES) and not _CLUSTER_M_TILES
            and min(M, 8 * m_tiles) * local_tiles * K_PER_TILE * itemsize > _CLUSTER_STAGE_BYTES):
         m_tiles = max(t for t in _jit.GEMM_CLUSTER_M_TILES if t < m_tiles)
