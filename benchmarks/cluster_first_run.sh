@@ -34,8 +34,10 @@ case "${1:-}" in
     name=cluster_${tag}_${commit}; [ -n "${QUICK:-}" ] && name=cluster_check_${tag}_${commit}
     timeout 170 python benchmarks/cluster_split.py $small --out "$out/$name" 2>&1 \
       | tee "$out/$name.log" | tail -n 30
-    [ -z "${QUICK:-}" ] && timeout 100 python benchmarks/cluster_split.py $small --dtype bfloat16 --geometries cluster \
-      --out "$out/cluster_${tag}_${commit}_bfloat16" 2>&1 \
-      | tee "$out/cluster_${tag}_${commit}_bfloat16.log" | tail -n 30 ;;
+    if [ -z "${QUICK:-}" ]; then
+      timeout 100 python benchmarks/cluster_split.py $small --dtype bfloat16 --geometries cluster \
+        --out "$out/cluster_${tag}_${commit}_bfloat16" 2>&1 \
+        | tee "$out/cluster_${tag}_${commit}_bfloat16.log" | tail -n 30
+    fi ;;
   *) echo "usage: $0 check|bench|confirm" >&2; exit 2 ;;
 esac
