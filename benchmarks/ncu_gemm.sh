@@ -10,7 +10,8 @@ mkdir -p "$out"
 for c in "$@"; do
   set -- $c
   f="$out/ncu_gemm_${1}x${2}_M${3}_k${4}_${5:-mma}.txt"
-  "$NCU" --clock-control none --kernel-name regex:kbit_gemm_${5:-mma} --launch-count 1 \
+  pat=${5:-mma}; [ "$pat" = cluster ] && pat=latency  # the cluster split is gemm_latency.cu's
+  "$NCU" --clock-control none --kernel-name regex:kbit_gemm_$pat --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section SchedulerStats \
     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
