@@ -169,21 +169,19 @@ __device__ __forceinline__ void cluster_sync() {
                "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
-// The exit barrier: arrive without release semantics (no memory fence; a
-// thread's reads of the other CTAs' shared memory have returned before it
-// arrives, since their values were used), then wait.
+// The exit barrier: arrive without release semantics, then wait. A thread's
+// reads of the other CTAs' shared memory have returned before it arrives
+// (their values were used), so no fence is needed; a release arrive would
+// also wait for the thread's stores of C. H100, kernel-only, this and no CTA
+// barrier before the first cluster barrier against both barriers release and
+// the CTA barrier (ceaf320's KBIT_CLUSTER_LEAN_SYNC, same bits): 1.04-1.11x on
+// the small layers at 17..64 rows (define_ab_h100_ceaf320_cluster_lean_sync.txt).
 __device__ __forceinline__ void cluster_sync_exit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
                "barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
-// KBIT_CLUSTER_LEAN_SYNC=1: the cluster split without the CTA barrier before
-// its first cluster barrier (which orders the CTA's own warps as well) and with
-// the relaxed exit barrier (A/B: benchmarks/define_ab.py).
-#ifndef KBIT_CLUSTER_LEAN_SYNC
-#define KBIT_CLUSTER_LEAN_SYNC 0
-#endif
 // The float4 at shared address `addr` (16-byte aligned, this CTA's layout) in
 // CTA `rank` of the cluster.
 __device__ __forceinline__ float4 ld_cluster_f32x4(unsigned addr, int rank) {
@@ -451,7 +449,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
     red[(warp * M_TILES + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-  if (!CLUSTER || !KBIT_CLUSTER_LEAN_SYNC) __syncthreads();
+  if (!CLUSTER) __syncthreads();  // (CLUSTER: the cluster barrier below orders the CTA too)
   latency_phase(4);  // partial tiles in shared memory
   // One thread per accumulator (mt, lane l, element c): the warps' values are
   // all loaded, then added in warp order. Element c of lane l is row
@@ -494,10 +492,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       if (n + 8 < N && m < rows) Mma<T>::store(C + (long long)m * N + n + 8, s.z);
       if (n + 8 < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n + 8, s.w);
     }
-    if (KBIT_CLUSTER_LEAN_SYNC)
-      cluster_sync_exit();  // no CTA leaves while another reads its shared memory
-    else
-      cluster_sync();
+    cluster_sync_exit();  // no CTA leaves while another reads its shared memory
     return;
   }
   for (int i = threadIdx.x; i < M_TILES * 128; i += blockDim.x) {
