@@ -1010,12 +1010,13 @@ def cluster_geometry(M: int, row_tiles: int, k_tiles: int, sms: int,
 
     Ranks split the K tiles: the largest divisor of k_tiles up to 8 when it
     is at least half of min(k_tiles, 8) (every CTA the same share), else
-    min(k_tiles, 8). M chunks: the fewest n8 tiles that cover M, at most 4
-    (32 rows) up to M = 64 and at most 8 (64 rows) beyond (longer M runs in
-    more chunks), fewer where a chunk's rows of the CTA's K tiles would pass
-    _CLUSTER_STAGE_BYTES. Row tiles per CTA: 4 up to M = 64 (measured best on
-    the small layers); beyond, the most (up to 8) that still give every SM a
-    CTA, since a CTA's staged A serves all of its row tiles. Warps: one per (row tile, share of the CTA's K tiles),
+    min(k_tiles, 8). M chunks (n8 tiles): up to M = 64, 16 or 32 rows,
+    whichever pads M the least (on a tie 32, or 16 under 4 ranks); beyond, 64
+    rows (longer M runs in more chunks); fewer where a chunk's rows of the
+    CTA's K tiles would pass _CLUSTER_STAGE_BYTES. Row tiles per CTA: 4 up to
+    M = 64 (measured best on the small layers); beyond, the most (up to 8)
+    that still give every SM a CTA, since a CTA's staged A serves all of its
+    row tiles. Warps: one per (row tile, share of the CTA's K tiles),
     at most 8, with ranks x warps per row tile <= 16 (the partials an output
     adds).
     """
@@ -1030,13 +1031,16 @@ def cluster_geometry(M: int, row_tiles: int, k_tiles: int, sms: int,
     # that leaves SMs without a CTA (cluster_h100_e0c1b1b: 2048x512 at M = 32
     # 0.98x cuBLAS with 64 CTAs against 0.74x at 256 CTAs of one row tile;
     # 2048x768 at M = 64, 32-row chunks 0.86x against 64-row chunks 0.71x).
-    # Of 16- and 32-row chunks the one that pads M the least, the longer on a
-    # tie (cluster_h100_0f6f295: at M = 48 three 16-row chunks ran 1.01-1.08x
-    # two 32-row chunks on the three small layers).
+    # Of 16- and 32-row chunks the one that pads M the least (cluster_h100_0f6f295:
+    # at M = 48 three 16-row chunks ran 1.01-1.08x two of 32 on the three small
+    # layers); on a tie the longer, but the shorter under 4 ranks (768x2048, 3
+    # ranks, at M = 17 and 32: 16-row chunks 1.03-1.10x on the H100 at cb85d31,
+    # 1.02-1.10x on the H200 at 76c399b; with 8 ranks within -5..+3%).
     few = M <= 64
     if few:
+        longer = 1 if ranks < 4 else -1
         m_tiles = min((t for t in _jit.GEMM_CLUSTER_M_TILES if t <= 4),
-                      key=lambda t: (math.ceil(M / (8 * t)) * 8 * t, -t))
+                      key=lambda t: (math.ceil(M / (8 * t)) * 8 * t, longer * t))
     else:
         m_tiles = max(_jit.GEMM_CLUSTER_M_TILES)
     m_tiles = _CLUSTER_M_TILES or m_tiles
