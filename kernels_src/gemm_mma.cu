@@ -79,6 +79,17 @@
 
 namespace kbit {
 
+// KBIT_SPLITK_RELEASE=1: the split-K counter through one release-acquire add
+// per warp (A/B against the two __threadfence per lane; see finish_segment).
+#ifndef KBIT_SPLITK_RELEASE
+#define KBIT_SPLITK_RELEASE 0
+#endif
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* addr, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(addr), "r"(v) : "memory");
+  return old;
+}
+
 // Slab staging of the wgmma path (see the kernel): from this many n8 tiles.
 // The ring's stages for M_TILES and WG warpgroups: about 128 KB of
 // activations, 4..8 slabs, at most 15 / (WG + 1) (its named barriers).
@@ -676,14 +687,26 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         for (int mt = 0; mt < M_TILES; ++mt)
           reinterpret_cast<float4*>(mine)[mt * 32] =
               make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
-        __threadfence();
         // The counter adds up the K tiles done; the segment that completes
         // them adds the partials (a division only on this path).
         int done = 0;
+#if KBIT_SPLITK_RELEASE
+        // The warp's stores, ordered before lane 0's release-acquire add by
+        // the warp barrier (it orders memory among the lanes; a release is
+        // cumulative), instead of a sequentially consistent fence per lane
+        // before and after a relaxed add.
+        __syncwarp();
+        if (lane == 0) done = atom_add_acq_rel_gpu(counter(), seg_kt1 - seg_kt0) + seg_kt1 - seg_kt0;
+        done = __shfl_sync(kFullMask, done, 0);
+        if (done != k_tiles) continue;  // another segment finishes this tile
+        __syncwarp();  // lane 0's acquire, before every lane's loads of the partials
+#else
+        __threadfence();
         if (lane == 0) done = atomicAdd(counter(), seg_kt1 - seg_kt0) + seg_kt1 - seg_kt0;
         done = __shfl_sync(kFullMask, done, 0);
         if (done != k_tiles) continue;  // another segment finishes this tile
         __threadfence();
+#endif
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
