@@ -79,10 +79,14 @@
 
 namespace kbit {
 
-// KBIT_SPLITK_RELEASE=1: the split-K counter through one release-acquire add
-// per warp (A/B against the two __threadfence per lane; see finish_segment).
+// KBIT_SPLITK_RELEASE=1 (default): the split-K counter through one
+// release-acquire add per warp; 0: two __threadfence per lane around a relaxed
+// add, as before. H100, kernel-only, mma, same bits
+// (define_ab_h100_d7af5e2_splitk_release.txt): 2048x768 1.04-1.09x,
+// 4096x4096 1.02-1.05x, 4096x28672 and 14336x4096 1.01-1.03x, 8192x57344
+// 1.00-1.02x but k=2 M=1 0.974x (68.3 -> 70.1 us).
 #ifndef KBIT_SPLITK_RELEASE
-#define KBIT_SPLITK_RELEASE 0
+#define KBIT_SPLITK_RELEASE 1
 #endif
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* addr, int v) {
   int old;
