@@ -84,7 +84,9 @@ namespace kbit {
 // add, as before. H100, kernel-only, mma, same bits
 // (define_ab_h100_d7af5e2_splitk_release.txt): 2048x768 1.04-1.09x,
 // 4096x4096 1.02-1.05x, 4096x28672 and 14336x4096 1.01-1.03x, 8192x57344
-// 1.00-1.02x but k=2 M=1 0.974x (68.3 -> 70.1 us).
+// 1.00-1.02x but k=2 M=1 0.974x (68.3 -> 70.1 us); repeated with the fences
+// as the variant (define_ab_h100_579d56d_splitk_fences.txt): the release form
+// 1.00-1.03x on 8192x57344 (k=2 M=1 68.7 against 69.5 us), 1.06-1.09x on 2048x768.
 #ifndef KBIT_SPLITK_RELEASE
 #define KBIT_SPLITK_RELEASE 1
 #endif
