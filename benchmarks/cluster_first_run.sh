@@ -21,8 +21,9 @@ case "${1:-}" in
       timeout $([ "$tool" = memcheck ] && echo 110 || echo 400) compute-sanitizer --tool "$tool" python benchmarks/sanitize_kernels.py --quick \
         --only cluster 2>&1 | tee "$out/sanitize_cluster_${tool}_${tag}_${commit}.txt" | tail -n 4
       # a sanitizer cut off by its limit prints only its header: say so in the file
-      [ "${PIPESTATUS[0]}" = 124 ] && echo "TIMED OUT: no result" \
-        | tee -a "$out/sanitize_cluster_${tool}_${tag}_${commit}.txt"
+      if [ "${PIPESTATUS[0]}" = 124 ]; then
+        echo "TIMED OUT: no result" | tee -a "$out/sanitize_cluster_${tool}_${tag}_${commit}.txt"
+      fi
     done ;;
   bench)
     timeout 540 python benchmarks/cluster_split.py --out "$out/cluster_${tag}_${commit}" 2>&1 \
