@@ -1038,9 +1038,9 @@ def cluster_geometry(M: int, row_tiles: int, k_tiles: int, sms: int,
     # 1.02-1.10x on the H200 at 76c399b; with 8 ranks within -5..+3%).
     few = M <= 64
     if few:
-        longer = 1 if ranks < 4 else -1
+        tie = 1 if ranks < 4 else -1  # 1: the shorter chunk wins a tie, -1: the longer
         m_tiles = min((t for t in _jit.GEMM_CLUSTER_M_TILES if t <= 4),
-                      key=lambda t: (math.ceil(M / (8 * t)) * 8 * t, longer * t))
+                      key=lambda t: (math.ceil(M / (8 * t)) * 8 * t, tie * t))
     else:
         m_tiles = max(_jit.GEMM_CLUSTER_M_TILES)
     m_tiles = _CLUSTER_M_TILES or m_tiles
