@@ -40,26 +40,20 @@ def main() -> int:
 
     import cupy as cp
 
-    from kbit_cupy import gemm, kbit_gemm, quantize_weight
+    from kbit_cupy import gemm, kbit_gemm
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
     sys_path_benchmarks()
     from define_ab import module_attributes
-    from latency_kernel import activations_and_cublas
+    from latency_kernel import activations_and_cublas, layer_weights, run_info
 
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
-    info = harness.gpu_info()
-    info["commit"] = os.environ.get("KBIT_COMMIT", info.get("commit"))
-    print(f"{info['gpu']}  commit {info['commit']}", flush=True)
+    info = run_info(harness)
     geometries = [g for g in GEOMETRIES if g[0] in args.geometries]
     records = []
     for layer in args.layers:
-        K_dim, N = (int(v) for v in layer.lower().split("x"))
-        rng = cp.random.default_rng(0)
-        W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * np.float32(0.02)).astype(cp.float16)
-        weights = {k: quantize_weight(W, k=k).prepare() for k in args.k}
-        cp.cuda.Device().synchronize()  # prepare() ran on the default stream
+        K_dim, N, W, weights = layer_weights(layer, args.k)
         rt_n, kt_n = gemm._tile_counts(N, K_dim)
         for M in args.m:
             A, cublas = activations_and_cublas(W, M, dtype)

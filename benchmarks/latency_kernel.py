@@ -35,21 +35,15 @@ def main() -> int:
 
     import cupy as cp
 
-    from kbit_cupy import kbit_gemm, quantize_weight
+    from kbit_cupy import kbit_gemm
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
-    info = harness.gpu_info()
-    info["commit"] = os.environ.get("KBIT_COMMIT", info.get("commit"))
-    print(f"{info['gpu']}  commit {info['commit']}", flush=True)
+    info = run_info(harness)
     records = []
     for layer in args.layers:
-        K_dim, N = (int(v) for v in layer.lower().split("x"))
-        rng = cp.random.default_rng(0)
-        W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * np.float32(0.02)).astype(cp.float16)
-        weights = {k: quantize_weight(W, k=k).prepare() for k in args.k}
-        cp.cuda.Device().synchronize()  # prepare() ran on the default stream
+        K_dim, N, W, weights = layer_weights(layer, args.k)
         for M in args.m:
             A, cublas = activations_and_cublas(W, M, dtype)
             ops = {"cublas_fp16": (16, "cublas", cublas)}
@@ -85,6 +79,32 @@ def main() -> int:
                               title="gemm_latency vs gemm_mma vs cuBLAS fp16 (kernel-only)")
         print(f"wrote {args.out}.json and {args.out}.md")
     return 0
+
+
+def run_info(harness) -> dict:
+    """harness.gpu_info() with $KBIT_COMMIT (when set) as the commit, printed
+    as the run's first line."""
+    info = harness.gpu_info()
+    info["commit"] = os.environ.get("KBIT_COMMIT", info.get("commit"))
+    print(f"{info['gpu']}  commit {info['commit']}", flush=True)
+    return info
+
+
+def layer_weights(layer: str, ks):
+    """(K_dim, N, W, {k: KbitWeight}) of a ``"K_dimxN"`` layer: W [N, K_dim]
+    fp16, standard normal x 0.02 (seed 0), quantized at each k and prepared;
+    the device synchronized after (prepare() ran on the default stream, the
+    timing stream is another)."""
+    import cupy as cp
+
+    from kbit_cupy import quantize_weight
+
+    K_dim, N = (int(v) for v in layer.lower().split("x"))
+    rng = cp.random.default_rng(0)
+    W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * np.float32(0.02)).astype(cp.float16)
+    weights = {k: quantize_weight(W, k=k).prepare() for k in ks}
+    cp.cuda.Device().synchronize()
+    return K_dim, N, W, weights
 
 
 def activations_and_cublas(W, M: int, dtype):

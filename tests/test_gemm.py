@@ -156,18 +156,22 @@ def test_auto_dispatch_against_the_committed_sweep(wgmma):
     assert worst[True] <= 1.06 and worst[False] <= 1.10, worst
 
 
+def _committed_runs(pattern: str) -> list[dict]:
+    """The benchmark runs (JSON) under benchmarks/results/ whose names match ``pattern``."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    return [json.loads(p.read_text()) for p in results.glob(pattern)]
+
+
 def _newest_latency_run(gpu: str) -> dict:
     """The newest committed run of benchmarks/latency_kernel.py on ``gpu``
     ("h100", "h200") over several layers, by the date it records (runs of
     older kernels measured other kernels: 1bcd642 gave every weight load an L2
     policy), with the points of later runs of single layers in place of its
     own (5120x5120 at cf93bb9, measured twice)."""
-    import json
-    from pathlib import Path
-
-    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    runs = sorted((json.loads(p.read_text()) for p in results.glob(f"latency_{gpu}_*.json")),
-                  key=lambda run: run["meta"]["date"])
+    runs = sorted(_committed_runs(f"latency_{gpu}_*.json"), key=lambda run: run["meta"]["date"])
     layers = [{(r["K_dim"], r["N"]) for r in run["records"]} for run in runs]
     base = max(i for i, run_layers in enumerate(layers) if len(run_layers) > 1)
     points = {}
@@ -224,12 +228,8 @@ def test_dispatch_on_the_h200_against_its_run():
 def _newest_cluster_run(gpu: str) -> dict:
     """The newest committed run of benchmarks/cluster_split.py on ``gpu``
     (fp16: the run the cluster rows of DISPATCH_TABLE come from)."""
-    import json
-    from pathlib import Path
-
-    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    runs = [json.loads(p.read_text()) for p in results.glob(f"cluster_{gpu}_*.json")]
-    runs = [run for run in runs if run["records"][0]["dtype"] == "float16"]
+    runs = [run for run in _committed_runs(f"cluster_{gpu}_*.json")
+            if run["records"][0]["dtype"] == "float16"]
     return max(runs, key=lambda run: run["meta"]["date"])
 
 
