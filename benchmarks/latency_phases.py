@@ -24,6 +24,10 @@ Printed per (layer, k, M), as medians over the replays:
   time of the same call (harness.time_graph) with and without the stamps.
 
     PYTHONPATH=. python benchmarks/latency_phases.py --layers 2048x768 768x2048 --k 2 4 --m 1 16
+
+With ``--moe E,TOP_K`` the call is instead ``moe_linear`` over E experts of
+each layer's shape, T = each ``--m`` tokens routed by a seeded uniform router
+(the few-pair launch, a CTA per (pair, row tile): issue 21 at T = 1).
 """
 
 from __future__ import annotations
@@ -105,12 +109,12 @@ def summarize(samples: list[np.ndarray]) -> dict:
     return out
 
 
-def phases(module, weight, A, out, stream, replays: int) -> tuple[dict, int, int]:
-    """Stamps of ``replays`` graph replays of (256 MB overwrite, the latency call):
-    (summarize's medians, CTAs, warps per CTA)."""
+def phases(module, call, stream, replays: int) -> tuple[dict, int, int]:
+    """Stamps of ``replays`` graph replays of (256 MB overwrite, ``call()``, the
+    latency launch): (summarize's medians, CTAs, warps per CTA)."""
     import cupy as cp
 
-    from kbit_cupy import _jit, kbit_gemm
+    from kbit_cupy import _jit
     from kbit_cupy.bench import harness
 
     view = stamps_view(module, 2048, _jit.GEMM_LATENCY_MAX_WARPS, 8)
@@ -120,7 +124,7 @@ def phases(module, weight, A, out, stream, replays: int) -> tuple[dict, int, int
 
         def body():
             flush()
-            kbit_gemm(A, weight, out=out, kernel="latency")
+            call()
 
         graph = harness._capture(stream, body)
         for r in range(replays + 2):  # two warm-up replays
@@ -143,6 +147,8 @@ def main() -> int:
     p.add_argument("--m", nargs="+", type=int, default=[1, 16])
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--replays", type=int, default=15)
+    p.add_argument("--moe", default=None, metavar="E,TOP_K",
+                   help="time moe_linear over E experts, top-k routing, T = --m tokens")
     p.add_argument(
         "--define",
         action="append",
@@ -155,7 +161,7 @@ def main() -> int:
     import cupy as cp
     from define_ab import kernels_built_with, module_attributes
 
-    from kbit_cupy import _jit, gemm, kbit_gemm, quantize_weight
+    from kbit_cupy import _jit, gemm, kbit_gemm, moe_linear, quantize_experts, quantize_weight
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
@@ -178,31 +184,49 @@ def main() -> int:
     with module_attributes(attrs):  # for the whole run
         for layer in args.layers:
             K_dim, N = (int(v) for v in layer.lower().split("x"))
+            E, top_k = (int(v) for v in args.moe.split(",")) if args.moe else (0, 0)
             W = (
-                cp.random.default_rng(0).standard_normal((N, K_dim), dtype=cp.float32)
+                cp.random.default_rng(0).standard_normal(((E,) if E else ()) + (N, K_dim),
+                                                         dtype=cp.float32)
                 * np.float32(0.02)
             ).astype(cp.float16)
+            quantize = quantize_experts if E else quantize_weight
             for k in args.k:
-                plain_w = quantize_weight(W, k=k).prepare()
-                probe_w = quantize_weight(W, k=k).prepare()
+                plain_w = quantize(W, k=k).prepare()
+                probe_w = quantize(W, k=k).prepare()
                 cp.cuda.Device().synchronize()  # prepare() ran on the default stream
                 stream = harness._bench_stream()
-                As, outs_q = {}, {}
+                As, outs_q, ids = {}, {}, {}
+
+                def call(M, w, out, E=E, As=As, ids=ids):
+                    """The call of M rows (tokens) on weight w into out."""
+                    if E:
+                        return functools.partial(moe_linear, As[M], ids[M], w, out=out,
+                                                 validate=False)
+                    return functools.partial(kbit_gemm, As[M], w, out=out, kernel="latency")
+
+                def out_like(M, E=E, top_k=top_k, N=N):
+                    return cp.empty((M, top_k, N) if E else (M, N), dtype)
+
                 with stream:  # plans are per stream: make them on the harness's, plain ones first
-                    for M in [m for m in args.m if m <= gemm._latency_rows(K_dim, 2)]:
+                    for M in [m for m in args.m if E or m <= gemm._latency_rows(K_dim, 2)]:
                         As[M] = (
                             cp.random.default_rng(1)
                             .standard_normal((M, K_dim), dtype=cp.float32)
                             .astype(dtype)
                         )
-                        outs_q[M] = cp.empty((M, N), dtype)
-                        kbit_gemm(As[M], plain_w, out=outs_q[M], kernel="latency")
+                        rng = np.random.default_rng(2)
+                        ids[M] = cp.asarray(np.stack([rng.choice(E, top_k, replace=False)
+                                                      for _ in range(M)]).astype(np.int32)
+                                            if E else np.zeros(1, np.int32))
+                        outs_q[M] = out_like(M)
+                        call(M, plain_w, outs_q[M])()
                 with kernels_built_with(("-DKBIT_LATENCY_PHASES", *(f"-D{d}" for d in cdefs))):
                     modules = probed_kernels(k, dtype.name, probe_w.absmax.dtype.name)
-                    for M, A in As.items():
-                        out_q, out_p = outs_q[M], cp.empty((M, N), dtype)
+                    for M in As:
+                        out_q, out_p = outs_q[M], out_like(M)
                         with stream:
-                            kbit_gemm(A, probe_w, out=out_p, kernel="latency")
+                            call(M, probe_w, out_p)()
                             stream.synchronize()
                         if not bool(cp.all(out_p == out_q)):
                             print(
@@ -215,15 +239,10 @@ def main() -> int:
                             )
                         m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
                         module = modules[_jit.GEMM_LATENCY_M_TILES.index(m_tiles)]
-                        s, ctas, warps = phases(module, probe_w, A, out_p, stream, args.replays)
-                        t_probe = harness.time_graph(
-                            functools.partial(kbit_gemm, A, probe_w, out=out_p, kernel="latency"),
-                            reps=20,
-                        )
-                        t_plain = harness.time_graph(
-                            functools.partial(kbit_gemm, A, plain_w, out=out_q, kernel="latency"),
-                            reps=20,
-                        )
+                        s, ctas, warps = phases(module, call(M, probe_w, out_p), stream,
+                                                args.replays)
+                        t_probe = harness.time_graph(call(M, probe_w, out_p), reps=20)
+                        t_plain = harness.time_graph(call(M, plain_w, out_q), reps=20)
                         cells = " ".join(
                             f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
                             for i in range(1, 8)

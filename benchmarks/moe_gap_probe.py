@@ -10,6 +10,7 @@ experts of [1536, 2048], top-8, T tokens (8T rows):
 - moe_linear (validate=False): routing launch + the grouped launch;
 - route only: the routing launch (kernels_src/moe_route.cu) alone.
 Usage: PYTHONPATH=. python benchmarks/moe_gap_probe.py [--t 128 512] [--ab KBIT_CROW_CHUNK=1]
+       (--ab gemm._LATENCY_WARP_STEP=1: a module attribute of kbit_cupy instead of a -D)
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def main() -> int:
                    help="compile the kernels with -DNAME=VALUE (A/B of a kernel knob across runs)")
     p.add_argument("--ab", default=None, metavar="NAME=VALUE",
                    help="instead: kbit_grouped_gemm and moe_linear built with the default "
-                        "options and with -DNAME=VALUE, timed side by side in this process")
+                        "options and with -DNAME=VALUE (or with module.ATTR=VALUE set), timed side "
+                        "by side in this process")
     args = p.parse_args()
 
     import cupy as cp
@@ -145,14 +147,16 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
     import copy
 
     import cupy as cp
-    from define_ab import kernels_built_with
+    from define_ab import kernels_built_with, module_attributes
 
     from kbit_cupy import kbit_grouped_gemm, moe_linear
     from kbit_cupy.bench import harness
 
     ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
     ops, outs = {}, {}
-    for label, opts in (("default", ()), (define, (f"-D{define}",))):
+    name, _, value = define.partition("=")
+    attrs = {name: value} if "." in name else {}  # a module attribute of kbit_cupy, not a -D
+    for label, opts in (("default", ()), (define, () if attrs else (f"-D{define}",))):
         w = copy.copy(experts)
         w._plans = {}
         C = cp.empty((T * top_k, N), cp.float16)
@@ -161,7 +165,8 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
                                                                         validate=False),
                 f"moe_linear {label}": lambda w=w, out3=out3: moe_linear(x, ids, w, out=out3,
                                                                          validate=False)}
-        with kernels_built_with(opts), harness._bench_stream():
+        with (kernels_built_with(opts), module_attributes({} if label == "default" else attrs),
+              harness._bench_stream()):
             for name, op in pair.items():  # plans are per stream: made here, with these kernels
                 outs[name] = op().copy()
             cp.cuda.Device().synchronize()
