@@ -125,21 +125,48 @@ __device__ __forceinline__ void select_upper(const unsigned (&w)[4 * K], bool up
 // Grouped rows (kbit_grouped_gemm, few rows): the expert that owns row r of A,
 // offsets[e] <= r < offsets[e + 1] with the offsets clamped to [0, M] (as
 // gemm_mma.cu clamps them), or `experts` where none does. Every thread of the
-// CTA calls it: the count of experts whose rows end at or before r (the
-// owner's index where the offsets rise) is one __syncthreads_count per
-// blockDim experts. Falling offsets (validate=False) give a row to some expert
-// e with offsets[e] <= r, or to none: never a read or write outside the
-// arrays. (One pass with the starts counted too and
-// the counts added through shared atomics, no dependent load, measured slower,
-// and slowed the routed launches too: moe_linear T=1 on 128 x [1536, 2048]
-// 12.1 -> 14.1 us, H100, moe_vs_grouped_mm_h100_7730d7a_*.)
+// CTA calls it. The owner's index where the offsets rise is the count of
+// experts whose rows end at or before r (r < M). Falling offsets
+// (validate=False) give a row to some expert e with offsets[e] <= r, or to
+// none: never a read or write outside the arrays.
+// KBIT_EXPERT_OF_ROW_BATCHED 1 (default): each thread loads its share of the
+// ends, up to 8 per pass, all in flight together, counts them, and the CTA adds
+// the counts with one barrier. 0: one __syncthreads_count per blockDim experts,
+// each pass's loads behind the previous barrier (for A/B runs).
+// (One pass with the starts counted too and the counts added through shared
+// atomics, no dependent load, measured slower, and slowed the routed launches
+// too: moe_linear T=1 on 128 x [1536, 2048] 12.1 -> 14.1 us, H100,
+// moe_vs_grouped_mm_h100_7730d7a_*.)
+#ifndef KBIT_EXPERT_OF_ROW_BATCHED
+#define KBIT_EXPERT_OF_ROW_BATCHED 1
+#endif
 __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, int experts, int r,
                                              int M) {
   int e = 0;
+#if KBIT_EXPERT_OF_ROW_BATCHED
+  constexpr int kBatch = 8;
+  __shared__ int counts[32];  // per warp (blockDim.x <= 1024)
+  for (int i0 = (int)threadIdx.x; i0 < experts; i0 += kBatch * (int)blockDim.x) {
+    int end[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * (int)blockDim.x;
+      end[b] = i < experts ? min(max(__ldg(offsets + i + 1), 0), M) : M;  // M > r: not counted
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) e += end[b] <= r;
+  }
+  e = __reduce_add_sync(kFullMask, e);
+  if ((threadIdx.x & 31) == 0) counts[threadIdx.x >> 5] = e;
+  __syncthreads();
+  e = 0;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) e += counts[w];
+#else
   for (int i0 = 0; i0 < experts; i0 += blockDim.x) {
     const int i = i0 + (int)threadIdx.x;
     e += __syncthreads_count(i < experts && min(max(__ldg(offsets + i + 1), 0), M) <= r);
   }
+#endif
   if (e < experts && min(max(__ldg(offsets + e), 0), M) > r) e = experts;  // unowned
   return e;
 }
