@@ -1,6 +1,7 @@
 """Probe (device, sm_90): how fast can a warp-per-stream kernel read DRAM?
 
 usage: python benchmarks/stream_probe.py [--mbytes 320] [--chunk 2048] [--layer 8192x57344] [--kbit]
+       [--graph] [--m 1 4 16] [--dtypes float16 bfloat16]
 
 kbit_gemm's mma kernel at M=1 reads its weights the way `regs` does here:
 each warp streams its own contiguous region in 2 KB chunks (k=4: one 16 x 256
@@ -154,6 +155,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--layer", default="8192x57344", help="K_dim x N whose kbit bytes to read")
     ap.add_argument("--kbit", action="store_true", help="also time kbit_gemm (auto) at M=1 there")
+    ap.add_argument("--m", nargs="+", type=int, default=[1],
+                    help="with --kbit: rows of A to time kbit_gemm at (default 1)")
+    ap.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"],
+                    help="with --kbit: activation dtypes (default float16)")
     ap.add_argument("--graph", action="store_true",
                     help="kernel-only: each op as a CUDA graph of (overwrite, op) pairs minus the "
                          "overwrites (harness.time_graph); the layer's reads, an empty kernel (the "
@@ -237,16 +242,23 @@ def main() -> None:
         ops["cublas"] = bench.cublas_fp16_matmul_op(1, N, K_dim)[0]
     if args.kbit:
         import kbit_cupy as kc
+        from kbit_cupy._arrays import BFLOAT16
 
         rng = cp.random.default_rng(1)
         W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * 0.02).astype(cp.float16)
-        A = rng.standard_normal((1, K_dim), dtype=cp.float32).astype(cp.float16)
+        kbit_ops = {}  # name -> k
         for k in (2, 3, 4, 5):
             w = kc.quantize_weight(W, k=k).prepare()
-            out = cp.empty((1, N), cp.float16)
-            name = f"kbit_gemm {args.layer} k={k}"
-            ops[name] = lambda w=w, out=out: kc.kbit_gemm(A, w, out=out)
-            configs[name] = (None, None, None, None, None, int(N * K_dim * (k / 8 + 1 / 32)))
+            cp.cuda.Device().synchronize()  # prepare() ran on the default stream
+            for dtype_name in args.dtypes:
+                dtype = {"float16": cp.float16, "bfloat16": BFLOAT16}[dtype_name]
+                for M in args.m:
+                    A = rng.standard_normal((M, K_dim), dtype=cp.float32).astype(dtype)
+                    out = cp.empty((M, N), dtype)
+                    name = f"kbit_gemm {args.layer} k={k} M={M} {dtype_name}"
+                    ops[name] = lambda w=w, A=A, out=out: kc.kbit_gemm(A, w, out=out)
+                    configs[name] = (None, None, None, None, None, int(N * K_dim * (k / 8 + 1 / 32)))
+                    kbit_ops[name] = k
         del W
     if args.graph:
         res = {name: bench.time_graph(op, reps=20) for name, op in ops.items()}
@@ -267,10 +279,13 @@ def main() -> None:
         if name == "cublas" or name.startswith("read "):
             continue
         nbytes = max(configs[name][5], 1)
-        print(
-            f"{name:32s} {r['median_us']:8.1f} us  {nbytes / r['median_us'] / 1e6:5.2f} TB/s  "
-            f"cuBLAS/this {t_cublas / r['median_us']:5.2f}x"
-        )
+        k = kbit_ops.get(name) if args.kbit else None
+        of_read = (f"  {res[best[k]]['median_us'] / r['median_us']:6.1%} of the read"
+                   if k in best else "")
+        vs_cublas = (f"cuBLAS/this {t_cublas / r['median_us']:5.2f}x"  # cuBLAS ran at M=1 only
+                     if " M=" not in name or " M=1 " in name else " " * 18)
+        print(f"{name:32s} {r['median_us']:8.1f} us  {nbytes / r['median_us'] / 1e6:5.2f} TB/s  "
+              f"{vs_cublas}{of_read}")
 
 
 if __name__ == "__main__":
