@@ -27,7 +27,9 @@ Printed per (layer, k, M), as medians over the replays:
 
 With ``--moe E,TOP_K`` the call is instead ``moe_linear`` over E experts of
 each layer's shape, T = each ``--m`` tokens routed by a seeded uniform router
-(the few-pair launch, a CTA per (pair, row tile): issue 21 at T = 1).
+(the few-pair launch, a CTA per (pair, row tile): issue 21 at T = 1); with
+``--grouped`` as well, ``kbit_grouped_gemm`` on the same pairs grouped by
+expert (its few-rows launch: each CTA finds its row's expert in the offsets).
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ def main() -> int:
                    help="before each stamped call: the TARGETS.md 256 MB overwrite (L2 left "
                         "dirty) or a 256 MB read (L2 left clean); the graph columns keep the "
                         "overwrite")
+    p.add_argument("--grouped", action="store_true",
+                   help="with --moe: kbit_grouped_gemm on the same pairs grouped by expert "
+                        "instead of moe_linear")
     p.add_argument("--moe", default=None, metavar="E,TOP_K",
                    help="time moe_linear over E experts, top-k routing, T = --m tokens")
     p.add_argument(
@@ -193,7 +198,15 @@ def main() -> int:
     import cupy as cp
     from define_ab import kernels_built_with, module_attributes
 
-    from kbit_cupy import _jit, gemm, kbit_gemm, moe_linear, quantize_experts, quantize_weight
+    from kbit_cupy import (
+        _jit,
+        gemm,
+        kbit_gemm,
+        kbit_grouped_gemm,
+        moe_linear,
+        quantize_experts,
+        quantize_weight,
+    )
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
 
@@ -230,14 +243,21 @@ def main() -> int:
                 stream = harness._bench_stream()
                 As, outs_q, ids = {}, {}, {}
 
-                def call(M, w, out, E=E, As=As, ids=ids):
+                grouped = {}  # M -> (rows of A grouped by expert, group offsets)
+
+                def call(M, w, out, E=E, As=As, ids=ids, grouped=grouped):
                     """The call of M rows (tokens) on weight w into out."""
+                    if E and args.grouped:
+                        return functools.partial(kbit_grouped_gemm, *grouped[M], w, out=out,
+                                                 validate=False)
                     if E:
                         return functools.partial(moe_linear, As[M], ids[M], w, out=out,
                                                  validate=False)
                     return functools.partial(kbit_gemm, As[M], w, out=out, kernel="latency")
 
                 def out_like(M, E=E, top_k=top_k, N=N):
+                    if E and args.grouped:
+                        return cp.empty((M * top_k, N), dtype)
                     return cp.empty((M, top_k, N) if E else (M, N), dtype)
 
                 with stream:  # plans are per stream: make them on the harness's, plain ones first
@@ -251,6 +271,12 @@ def main() -> int:
                         ids[M] = cp.asarray(np.stack([rng.choice(E, top_k, replace=False)
                                                       for _ in range(M)]).astype(np.int32)
                                             if E else np.zeros(1, np.int32))
+                        if E:  # the same pairs as rows grouped by expert (a stable sort)
+                            flat = cp.asnumpy(ids[M]).reshape(-1)
+                            order = np.argsort(flat, kind="stable")
+                            offs = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
+                            grouped[M] = (As[M][cp.asarray(order // top_k)],
+                                          cp.asarray(offs.astype(np.int32)))
                         outs_q[M] = out_like(M)
                         call(M, plain_w, outs_q[M])()
                 with kernels_built_with(("-DKBIT_LATENCY_PHASES", *(f"-D{d}" for d in cdefs))):
