@@ -248,7 +248,8 @@ def main() -> int:
                 def call(M, w, out, E=E, As=As, ids=ids, grouped=grouped):
                     """The call of M rows (tokens) on weight w into out."""
                     if E and args.grouped:
-                        return functools.partial(kbit_grouped_gemm, *grouped[M], w, out=out,
+                        rows, offsets = grouped[M]
+                        return functools.partial(kbit_grouped_gemm, rows, w, offsets, out=out,
                                                  validate=False)
                     if E:
                         return functools.partial(moe_linear, As[M], ids[M], w, out=out,
