@@ -338,9 +338,9 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   if (threadIdx.x < 32) zero_row[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
 
   // Tables (as gemm_mma.cu's mma path): the (scale, scale) pair of an E4M4
-  // code where it is not computed (bf16 activations), the pair table of
+  // code where it is not computed (bf16 with KBIT_BF16_ALU_SCALE=0), the pair table of
   // weights for k = 3 built by shuffles from the lane-register codebook.
-  constexpr bool kAluScale = sizeof(TScale) == 1 && IsHalf<T>::value;
+  constexpr bool kAluScale = sizeof(TScale) == 1 && (IsHalf<T>::value || KBIT_BF16_ALU_SCALE);
   __shared__ unsigned scale_pair[sizeof(TScale) == 1 && !kAluScale ? 256 : 1];
   if constexpr (sizeof(TScale) == 1 && !kAluScale) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {

@@ -523,8 +523,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // load. Measured on the H100 against the table (in-process A/B at 3349606,
   // same bits): k=2 M=1 +5..9%, k=3 +2%, k=5 +3%, mma M=16 +4.5..6%, wgmma
   // 0..2%; k=4 on the mma path at one n8 tile -2..7% (kept on the table).
+  // bf16 activations the same way, as bf16 bits c << 3 (s * 2^-116) times
+  // 2^116 (KBIT_BF16_ALU_SCALE, mma_common.cuh, with its measurements).
   constexpr bool kAluScale =
-      sizeof(TScale) == 1 && IsHalf<T>::value && !(K == 4 && !WG && M_TILES == 1) &&
+      sizeof(TScale) == 1 && (IsHalf<T>::value || KBIT_BF16_ALU_SCALE) &&
+      !(K == 4 && !WG && M_TILES == 1) &&
       !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
   // (none where the scales come after the multiply: kScaleAfter below)
   constexpr bool kScaleTable =

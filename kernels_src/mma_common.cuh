@@ -129,19 +129,34 @@ __device__ __forceinline__ unsigned fp16_scale_pair(unsigned bits) {
   return h | (h << 16);
 }
 
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<__half> { static constexpr bool value = true; };
+
+// KBIT_BF16_ALU_SCALE 1 (default): bf16 activations compute the pair too
+// (kAluScale); 0: they read the table (for A/B runs). H100, kernel-only, auto,
+// in one process against the table (define_ab_h100_a7cb121_bf16_alu_scale.txt),
+// the same scale pairs: k=2 +2..10%, k=3 +1..5%, k=4 0..+13% (4096x4096 at
+// M=16), k=5 +1..5% on 4096x4096 .. 8192x57344 at M = 1..64; 2048x768 -2..+3%.
+#ifndef KBIT_BF16_ALU_SCALE
+#define KBIT_BF16_ALU_SCALE 1
+#endif
+
 // (scale, scale) in T of block j (0..7) of one row, from the lane's scale
 // words of that row `sw` (E4M4: 4 codes per word; fp16: 2 per word): with
-// kAluScale (fp16 activations, E4M4) computed, an E4M4 code c as fp16 bits
-// c << 6 being exactly s / 16 (byte_perm c into both halves, shift, HMUL2 by
-// (16, 16)); else from the 256-entry table `scale_pair` (E4M4) or converted
-// (fp16 scales).
+// kAluScale (E4M4 scales) computed, an E4M4 code c as fp16 bits c << 6 being
+// exactly s / 16 (byte_perm c into both halves, shift, HMUL2 by (16, 16)),
+// as bf16 bits c << 3 exactly s * 2^-116 (HMUL2 by (2^116, 2^116)); else
+// from the 256-entry table `scale_pair` (E4M4) or converted (fp16 scales).
 template <typename T, typename TScale, bool kAluScale>
 __device__ __forceinline__ unsigned block_scale_pair(const unsigned* sw, int j,
                                                      const unsigned* scale_pair) {
   if constexpr (sizeof(TScale) == 1) {
     if constexpr (kAluScale) {
       const unsigned sel = 0x4040u | ((j & 3) << 8) | (j & 3);  // byte j & 3 -> bytes 0, 2
-      return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 6, 0x4c004c00u);  // x (16, 16)
+      if constexpr (IsHalf<T>::value)
+        return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 6, 0x4c004c00u);  // x (16, 16)
+      else  // bf16: the bits c << 3 are s * 2^-116 (subnormal codes too), times (2^116, 2^116)
+        return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 3, 0x79807980u);
     } else {
       return scale_pair[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
     }
@@ -171,9 +186,6 @@ __device__ __forceinline__ unsigned weight_pair(const unsigned (&w)[4 * K], int 
     return __byte_perm(e0, e1, 0x5410);
   }
 }
-
-template <typename T> struct IsHalf { static constexpr bool value = false; };
-template <> struct IsHalf<__half> { static constexpr bool value = true; };
 
 // Scale entries a lane loads: 4 codes of one row (the tile layout: gemm_mma.cu).
 template <typename TScale> struct ScaleWord;
