@@ -140,8 +140,9 @@ def test_emulation_detects_a_swapped_fragment_order():
 
 
 def test_e4m4_scale_pair_bits():
-    # gemm_mma.cu decodes an E4M4 code u without a table: the bits u << 6
-    # (fp16) or u << 3 (bf16) times 16 or 2**116. Check that arithmetic for
+    # gemm_mma.cu and gemm_latency.cu decode an E4M4 code u without a table
+    # (mma_common.cuh, block_scale_pair): the bits u << 6 (fp16) or u << 3
+    # (bf16) times 16 or 2**116. Check that arithmetic for
     # all 256 codes (subnormal codes 1..15 included) against FORMAT.md section 3.
     import ml_dtypes
 
