@@ -48,11 +48,7 @@ def main() -> None:
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     out = cp.zeros(1, cp.uint32)
     big = cp.random.default_rng(0).integers(0, 2**31, size=(400 << 20) // 4, dtype=cp.uint32)
-    flush_buf = cp.ones((256 << 20) // 16 * 4, cp.uint32)
-    flush_words = flush_buf.size // 4
-
-    def read_flush():
-        kern[(4, 0)]((sms * 8,), (256,), (flush_buf, cp.int64(flush_words), out))
+    read_flush = bench.read_flusher(256 << 20)
 
     ms = [int(m) for m in args.ms.split(",")]
     print(f"{dev}, commit {bench.git_commit()}")

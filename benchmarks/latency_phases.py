@@ -111,31 +111,6 @@ def summarize(samples: list[np.ndarray]) -> dict:
     return out
 
 
-_READ_ALL = r"""
-extern "C" __global__ void read_all(const uint4* p, long long n, unsigned* sink) {
-  unsigned x = 0;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
-    const uint4 v = p[i];
-    x ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (x == 0x9e3779b9u) sink[0] = x;  // (never, in practice): the reads stay
-}
-"""
-
-
-def read_flusher(nbytes: int):
-    """A 256 MB read instead of the overwrite: L2 left full of clean lines, as
-    after the previous layer's weights (TARGETS.md's overwrite leaves it dirty)."""
-    import cupy as cp
-
-    buf = cp.ones(nbytes // 4, cp.uint32)
-    sink = cp.zeros(1, cp.uint32)
-    kern = cp.RawKernel(_READ_ALL, "read_all")
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    return lambda: kern((sms * 8,), (256,), (buf, cp.int64(nbytes // 16), sink))
-
-
 def phases(module, call, stream, replays: int, flush_kind: str = "overwrite"
            ) -> tuple[dict, int, int]:
     """Stamps of ``replays`` graph replays of (256 MB overwrite, or read with
@@ -149,7 +124,7 @@ def phases(module, call, stream, replays: int, flush_kind: str = "overwrite"
     view = stamps_view(module, 2048, _jit.GEMM_LATENCY_MAX_WARPS, 8)
     samples = []
     with stream:
-        flush = (read_flusher(harness.DEFAULT_FLUSH_BYTES) if flush_kind == "read"
+        flush = (harness.read_flusher(harness.DEFAULT_FLUSH_BYTES) if flush_kind == "read"
                  else harness._flusher(harness.DEFAULT_FLUSH_BYTES))
 
         def body():

@@ -154,8 +154,8 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
 
     ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
     ops, outs = {}, {}
-    name, _, value = define.partition("=")
-    attrs = {name: value} if "." in name else {}  # a module attribute of kbit_cupy, not a -D
+    attr, _, value = define.partition("=")
+    attrs = {attr: value} if "." in attr else {}  # a module attribute of kbit_cupy, not a -D
     for label, opts in (("default", ()), (define, () if attrs else (f"-D{define}",))):
         w = copy.copy(experts)
         w._plans = {}

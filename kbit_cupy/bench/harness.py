@@ -110,6 +110,33 @@ def _flusher(flush_bytes: int) -> _Flusher:
     return f
 
 
+_READ_ALL = r"""
+extern "C" __global__ void kbit_read_all(const uint4* p, long long n, unsigned* sink) {
+  unsigned x = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const uint4 v = p[i];
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x9e3779b9u) sink[0] = x;  // (never, in practice): the reads stay
+}
+"""
+
+
+def read_flusher(flush_bytes: int) -> Callable[[], None]:
+    """A flush that reads ``flush_bytes`` of scratch instead of overwriting it
+    (for ``time_ops(flush_fn=...)`` and probes): L2 is left full of clean
+    lines, as after the previous layer's weights, where TARGETS.md's
+    overwrite leaves it dirty. One grid-stride kernel of 16-byte loads."""
+    cp = _cupy()
+    words = max(int(flush_bytes), 16) // 16
+    buf = cp.ones(words * 4, cp.uint32)
+    sink = cp.zeros(1, cp.uint32)
+    kern = cp.RawKernel(_READ_ALL, "kbit_read_all")
+    grid = cp.cuda.Device().attributes["MultiProcessorCount"] * 8
+    return lambda: kern((grid,), (256,), (buf, cp.int64(words), sink))
+
+
 def free_scratch() -> None:
     """Drop the cached scratch buffers and streams (their memory returns to CuPy's pool)."""
     _FLUSHERS.clear()
