@@ -104,14 +104,6 @@ def _words_to_bits(xp, words):
     return ((words[..., None] >> lanes) & 1).astype(xp.uint8).reshape(words.shape[:-1] + (-1,))
 
 
-# The order of a lane's fields within block j and row half h: (p, e), or at
-# k = 2 (e, p), so that word j holds the pair (p, e = 0, 1) of row half h at
-# bits 16h + 2p and 16h + 8 + 2p: the selector of the kernels' PRMT decode
-# (kernels_src/mma_common.cuh, weight_pair) is one mask and one IMAD away.
-_FIELD_ORDER = {False: (5, 7), True: (7, 5)}  # the transpose's last axes: [.., p, e] / [.., e, p]
-_FIELD_UNDO = {False: (6, 3, 7), True: (7, 3, 6)}  # unpack: back to [.., h, kt, j, p, t, e]
-
-
 def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
     """FORMAT.md ``(packed, absmax)`` of a ``[N, K_dim]`` weight -> the mma kernel's tiles.
 
@@ -119,8 +111,7 @@ def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
     ``(row_tiles, k_tiles, k, 32, 4)`` (per 16-row x 256-column tile, lane
     ``4g + t`` holds the 128 indices of rows ``g``/``g+8``, columns ``8p + 2t``,
     ``8p + 2t + 1`` (p = 0..3) of each block as one bit string of k-bit fields:
-    its mma A-fragment in k order, see ``kernels_src/gemm_mma.cu``; at k = 2
-    the two columns of a pair are 8 bits apart: ``_FIELD_ORDER``),
+    its mma A-fragment in k order, see ``kernels_src/gemm_mma.cu``),
     ``scales`` of ``absmax``'s dtype and shape ``(row_tiles, k_tiles, 16, 8)``.
     Rows past ``N`` and columns past ``K_dim`` are padding (index 0, scale 0).
     ``unpack_from_gemm`` inverts it exactly.
@@ -151,7 +142,7 @@ def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
             idx[:real, :kb] = _planes_to_indices(xp, blocks, k).reshape(real, kb, BLOCK)
         # row = 16 rt + 8 h + g; col = 256 kt + 32 j + 8 p + 2 t + e
         f = idx.reshape((r1 - r0) // 16, 2, 8, kt_n, 8, 4, 4, 2)
-        f = f.transpose(0, 3, 2, 6, 4, 1, *_FIELD_ORDER[k == 2])  # [rt, kt, g, t, j, h, p, e] (k=2: e, p)
+        f = f.transpose(0, 3, 2, 6, 4, 1, 5, 7)  # [rt, kt, g, t, j, h, p, e]
         f = f.reshape((r1 - r0) // 16, kt_n, 32, 128)
         bits = ((f[..., None] >> xp.arange(k, dtype=xp.uint8)) & 1).reshape(f.shape[:-1] + (-1,))
         words = _bits_to_words(xp, bits)  # [rt, kt, lane, 4k]
@@ -177,8 +168,7 @@ def unpack_from_gemm(tiles, scales, k: int, N: int, K_dim: int):
     words = tiles.transpose(0, 1, 3, 2, 4).reshape(rt_n, kt_n, 32, 4 * k)
     bits = _words_to_bits(xp, words).reshape(rt_n, kt_n, 32, 128, k)
     f = (bits.astype(xp.uint8) << xp.arange(k, dtype=xp.uint8)).sum(axis=-1, dtype=xp.uint8)
-    pe = (2, 4) if k == 2 else (4, 2)  # the last two axes' sizes: (e, p) at k = 2, else (p, e)
-    f = f.reshape(rt_n, kt_n, 8, 4, 8, 2, *pe).transpose(0, 5, 2, 1, 4, *_FIELD_UNDO[k == 2])
+    f = f.reshape(rt_n, kt_n, 8, 4, 8, 2, 4, 2).transpose(0, 5, 2, 1, 4, 6, 3, 7)
     idx = f.reshape(rt_n * ROWS_PER_TILE, kt_n * BLOCKS_PER_TILE, BLOCK)[:N, :kb]
     packed = _indices_to_planes(xp, xp.ascontiguousarray(idx).reshape(-1, BLOCK), k)
     absmax = scales.transpose(0, 2, 1, 3).reshape(rt_n * ROWS_PER_TILE, kt_n * BLOCKS_PER_TILE)

@@ -296,10 +296,11 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     }
     raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
-  // The codebook's entries (lane j: entry j mod 2^K) are loaded before the
-  // weights. Loaded after the staging, as they were, 4096x4096 at k = 3..5 ran 13-16% slower at M = 1 and 4 (H200,
+  // The codebook's entries (lane j: entry j mod 2^K; k = 2 also entry (j / 4) mod 4)
+  // are loaded before the weights. Loaded after the staging, as they were,
+  // 4096x4096 at k = 3..5 ran 13-16% slower at M = 1 and 4 (H200,
   // define_ab_h200_30aaba8_cb_first.txt); the small layers within 3%.
-  const float cb_lane = codebook[lane & ((1 << K) - 1)];
+  const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
   if (kw < warp_tiles) load_tile(kt_of(kw), w_s[0], raw_s[0]);
 
   // [rows][stride], then the partial tiles (below); CLUSTER: the partial tiles
@@ -347,8 +348,8 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       scale_pair[i] = h | (h << 16);
     }
   }
-  const uint2 cb_regs = codebook_regs<K>(Mma<T>::to_bits(cb_lane));  // k = 2: byte pools
-  const unsigned cb = cb_regs.x, cb_pair = cb_regs.y;
+  const unsigned cb = Mma<T>::to_bits(cb_lane);
+  const unsigned cb_pair = cb | (Mma<T>::to_bits(cb_hi) << 16);
   constexpr bool kPairTable = K == 3;
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
@@ -428,23 +429,20 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       unsigned wp[2][4];  // [h][pair p]: columns (8p + 2t, +1) of row g + 8h, block j
-      // Row half h outer, pair p inner; k = 2 the other way round (as gemm_mma.cu).
-      // sp[h]: (scale, scale) of row g + 8h, block j, made before its first use.
-      constexpr int kOuter = K == 2 ? 4 : 2, kInner = K == 2 ? 2 : 4;
-      unsigned sp[2];
 #pragma unroll
-      for (int o = 0; o < kOuter; ++o) {
+      for (int h = 0; h < 2; ++h) {
+        if (kHalf && h == 1) {
 #pragma unroll
-        for (int i = 0; i < kInner; ++i) {
-          const int h = K == 2 ? i : o, p = K == 2 ? o : i;
-          if (kHalf && h == 1) {
-            wp[1][p] = 0u;
-            continue;
-          }
-          if (p == 0) sp[h] = block_scale_pair<T, TScale, kAluScale>(h ? sw_hi : sw_lo, j, scale_pair);
+          for (int p = 0; p < 4; ++p) wp[1][p] = 0u;
+          continue;
+        }
+        // (scale, scale) of row g + 8h, block j
+        const unsigned sp = block_scale_pair<T, TScale, kAluScale>(h ? sw_hi : sw_lo, j, scale_pair);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
           const unsigned pair =
               weight_pair<K, kPairTable>(w, 16 * j + 8 * h + 2 * p, cb, cb_pair, pair_tab, lane4);
-          wp[h][p] = Mma<T>::mul2(pair, sp[h]);
+          wp[h][p] = Mma<T>::mul2(pair, sp);
         }
       }
       // A block is 4 chunks: ldmatrix.x4 gives lane (g, t) words t, 4 + t,

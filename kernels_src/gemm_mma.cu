@@ -362,10 +362,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   int base[RPW], next_base[RPW];
 
   // Lane j holds codebook[j mod 2^K] in T: a shuffle by an index whose bits
-  // above K are garbage still finds the right entry. k=2: every lane holds
-  // the entries' byte pools instead (codebook_regs, weight_pair).
-  const uint2 cb_regs = codebook_regs<K>(Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]));
-  const unsigned cb = cb_regs.x, cb_pair = cb_regs.y;
+  // above K are garbage still finds the right entry.
+  // k=2: lane a | b << 2 holds (codebook[a], codebook[b]), so one shuffle
+  // by two neighbouring fields gives a pair of weights.
+  const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
+  const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
 
   // The next tile's index and scale words load while this one computes, into
   // two register sets used in turn (the loop below is unrolled by two, so
@@ -887,22 +888,16 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       unsigned wp[RPW][2][4];  // [r][h][pair p]: columns (8p + 2t, +1) of row g + 8h
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        // Row half h outer, pair p inner; k = 2 the other way round (its pair
-        // p of both halves comes from one selector word: weight_pair).
-        // sp[h]: (scale, scale) of row g + 8h, block j, made before its first use.
-        constexpr int kOuter = K == 2 ? 4 : 2, kInner = K == 2 ? 2 : 4;
-        unsigned sp[2];
 #pragma unroll
-        for (int o = 0; o < kOuter; ++o) {
+        for (int h = 0; h < 2; ++h) {
+          // (scale, scale) of row g + 8h, block j
+          const unsigned sp = kScaleAfter ? 0u :
+              block_scale_pair<T, TScale, kAluScale>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
 #pragma unroll
-          for (int i = 0; i < kInner; ++i) {
-            const int h = K == 2 ? i : o, p = K == 2 ? o : i;
-            if (p == 0)
-              sp[h] = kScaleAfter ? 0u :
-                  block_scale_pair<T, TScale, kAluScale>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
-            const unsigned pair = weight_pair<K, kPairTable, kSlab>(w[r], 16 * j + 8 * h + 2 * p, cb,
-                                                                    cb_pair, pair_tab, lane4);
-            wp[r][h][p] = kScaleAfter ? pair : Mma<T>::mul2(pair, sp[h]);
+          for (int p = 0; p < 4; ++p) {
+            const unsigned pair = weight_pair<K, kPairTable>(w[r], 16 * j + 8 * h + 2 * p, cb,
+                                                             cb_pair, pair_tab, lane4);
+            wp[r][h][p] = kScaleAfter ? pair : Mma<T>::mul2(pair, sp);
           }
         }
       }

@@ -165,53 +165,18 @@ __device__ __forceinline__ unsigned block_scale_pair(const unsigned* sw, int j,
   }
 }
 
-// k = 2: the four codebook entries in T (lane j of `cb` holds entry j mod 4,
-// its bits in the low half) as the two byte pools of one PRMT: .x their low
-// bytes, .y their high bytes (entry i: bytes i and 4 + i of the pair).
-__device__ __forceinline__ uint2 k2_byte_pools(unsigned cb) {
-  const unsigned e0 = __shfl_sync(kFullMask, cb, 0), e1 = __shfl_sync(kFullMask, cb, 1);
-  const unsigned e2 = __shfl_sync(kFullMask, cb, 2), e3 = __shfl_sync(kFullMask, cb, 3);
-  return make_uint2(__byte_perm(__byte_perm(e0, e1, 0x0040u), __byte_perm(e2, e3, 0x0040u), 0x5410u),
-                    __byte_perm(__byte_perm(e0, e1, 0x0051u), __byte_perm(e2, e3, 0x0051u), 0x5410u));
-}
-
-// The lane's codebook registers (cb, cb_pair) for weight_pair, from its entry
-// `bits` (lane j: codebook[j mod 2^K] in T): k = 2 the byte pools, else
-// (bits, unused).
-template <int K>
-__device__ __forceinline__ uint2 codebook_regs(unsigned bits) {
-  if constexpr (K == 2) return k2_byte_pools(bits);
-  else return make_uint2(bits, 0u);
-}
-
 // The codebook entries of fields f and f + 1 of the lane's index string `w`
-// (f = 16j + 8h + 2p: block j, row half h, pair p) as a pair in T.
-// k = 2: one PRMT of the byte pools (`cb` = k2_byte_pools .x, `cb_pair` = .y).
-//   repack_for_gemm lays word j out for it: the pair's two indices a, b at
-//   bits 16h + 2p and 16h + 8 + 2p, so t = (w[j] >> 2p) & 0x03030303 holds
-//   a | b << 8 in its low half (h = 0) and the h = 1 pair in its high half,
-//   and t * 0x11 + 0x4040 is the selector (a, 4 + a, b, 4 + b): bytes
-//   (lo(a), hi(a), lo(b), hi(b)). Per two pairs: a shift, a LOP3, an IMAD,
-//   a shift and two PRMT on the ALU pipes, where a shuffle per pair (the
-//   layout before) went through the shared-memory pipe, the H200's busiest.
-//   kOwnSelector: each pair's selector from its own shift and mask (two more
-//   instructions per two pairs, no selector word shared by the two halves:
-//   the 256-row wgmma variant spilled 40 bytes with the shared one).
-// kPairTable (k = 3, 4): one load from the lane-replicated pair table in
-// shared memory. Otherwise (k = 5): two shuffles of the lane-register codebook
-// `cb` (lane j holds codebook[j mod 2^K]) and a byte_perm.
-template <int K, bool kPairTable, bool kOwnSelector = false>
+// as a pair in T: k = 2 one shuffle of the lane-register pair table
+// `cb_pair` (lane a | b << 2 holds (codebook[a], codebook[b])); with
+// kPairTable (k = 3, 4) one load from the lane-replicated pair table in
+// shared memory; otherwise two shuffles of the lane-register codebook `cb`
+// (lane j holds codebook[j mod 2^K]) and a byte_perm.
+template <int K, bool kPairTable>
 __device__ __forceinline__ unsigned weight_pair(const unsigned (&w)[4 * K], int f, unsigned cb,
                                                 unsigned cb_pair, const uint4* pair_tab,
                                                 unsigned lane4) {
   if constexpr (K == 2) {
-    const int j = f >> 4, h = (f >> 3) & 1, p = (f >> 1) & 3;
-    if constexpr (kOwnSelector) {
-      const unsigned s = (((w[j] >> (16 * h + 2 * p)) & 0x0303u) * 0x11u) + 0x4040u;
-      return __byte_perm(cb, cb_pair, s);
-    }
-    const unsigned t = ((p ? w[j] >> (2 * p) : w[j]) & 0x03030303u) * 0x11u + 0x40404040u;
-    return __byte_perm(cb, cb_pair, h ? t >> 16 : t);
+    return __shfl_sync(kFullMask, cb_pair, field_at<K>(w, f * K));
   } else if constexpr (kPairTable) {
     return *reinterpret_cast<const unsigned*>(reinterpret_cast<const char*>(pair_tab) +
                                               pair_offset<K>(w, f * K, lane4));

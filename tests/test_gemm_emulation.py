@@ -21,19 +21,11 @@ from kbit_cupy.format import E4M4_VALUES
 
 
 def lane_fields(tiles, rt, kt, k):
-    """[32 lanes, 128 fields] of indices, from the lane's bit string of 4k words.
-
-    Field 16j + 8h + 2p + e (block j, row half h, pair p, its column e) is the
-    string's k-bit field of that number, except at k = 2, where the kernels
-    decode pair p of row half h from word j's bits 16h + 2p (e = 0) and
-    16h + 8 + 2p (e = 1): field 16j + 8h + 4e + p of the string.
-    """
+    """[32 lanes, 128 fields] of indices, from the lane's bit string of 4k words."""
     words = tiles[rt, kt].transpose(1, 0, 2).reshape(32, 4 * k)  # [lane, word]
     bits = ((words[..., None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(32, -1)
-    fields = (bits[:, : 128 * k].reshape(32, 128, k) << np.arange(k)).sum(axis=-1)
-    if k == 2:  # string order [j, h, e, p] -> kernel field order [j, h, p, e]
-        fields = fields.reshape(32, 8, 2, 2, 4).transpose(0, 1, 2, 4, 3).reshape(32, 128)
-    return fields
+    fields = bits[:, : 128 * k].reshape(32, 128, k)
+    return (fields << np.arange(k)).sum(axis=-1)
 
 
 # (row, first k-slot) of A-fragment registers a0..a3 for lane (g, t): the kernel's order.
@@ -173,52 +165,3 @@ def test_e4m4_scale_after_the_multiply_bits():
     u = np.arange(256, dtype=np.uint16)
     widened = (u << 6).view(np.float16).astype(np.float32)
     np.testing.assert_array_equal(widened * np.float32(16), E4M4_VALUES.astype(np.float32))
-
-
-def prmt(x, y, sel):
-    """PTX prmt.b32 (default mode), pools x, y uint32 scalars, selectors an
-    array: result byte n is byte sel[4n+2:4n] of the 8-byte pool (x bytes
-    0..3, y bytes 4..7); a set bit 4n+3 replicates that byte's sign bit."""
-    pool = np.array([(int(x) >> (8 * b)) & 0xFF for b in range(4)] +
-                    [(int(y) >> (8 * b)) & 0xFF for b in range(4)], np.uint32)
-    out = np.zeros(np.shape(sel), np.uint32)
-    for n in range(4):
-        nib = (sel >> np.uint32(4 * n)) & np.uint32(0xF)
-        byte = pool[nib & 7]
-        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(np.uint32)
-        out |= byte << (8 * n)
-    return out
-
-
-@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
-def test_k2_prmt_decode_bits(dtype):
-    # mma_common.cuh's k = 2 decode, step by step on the repacked tiles: the
-    # byte pools of k2_byte_pools, the selector (w[j] >> 2p & 0x03030303) *
-    # 0x11 + 0x40404040 (its high half for row half h = 1) and one PRMT give
-    # lane (g, t) the codebook entries of row g + 8h, columns 8p + 2t and
-    # 8p + 2t + 1 of block j (the weight's own indices), in T's bits.
-    import ml_dtypes
-
-    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
-    rng = np.random.default_rng(7)
-    w = quantize_weight(rng.standard_normal((32, 512)).astype(np.float32), k=2)
-    from kbit_cupy.gemm import _planes_to_indices
-    idx = _planes_to_indices(np, w.packed, 2).reshape(w.shape)  # [row, column], FORMAT.md order
-    e = w.codebook.astype(dt).view(np.uint16).astype(np.uint32)  # entries 0..3
-    lo = (e[0] & 0xFF) | (e[1] & 0xFF) << 8 | (e[2] & 0xFF) << 16 | (e[3] & 0xFF) << 24
-    hi = e[0] >> 8 | (e[1] >> 8) << 8 | (e[2] >> 8) << 16 | (e[3] >> 8) << 24
-    tiles, _ = repack_for_gemm(w.packed, w.absmax, 2, *w.shape)
-    for rt in range(tiles.shape[0]):
-        for kt in range(tiles.shape[1]):
-            words = tiles[rt, kt].transpose(1, 0, 2).reshape(32, 8)  # [lane, word j]
-            g, t4 = np.arange(32) >> 2, np.arange(32) & 3
-            for j in range(8):
-                for p in range(4):
-                    t = ((words[:, j] >> np.uint32(2 * p)) & np.uint32(0x03030303)) * np.uint32(0x11)
-                    t = (t + np.uint32(0x40404040)).astype(np.uint32)
-                    for h in range(2):
-                        pair = prmt(np.uint32(lo), np.uint32(hi), (t >> np.uint32(16)) if h else t)
-                        # row 16 rt + 8h + g, columns 256 kt + 32j + 8p + 2t (+1)
-                        row, col = 16 * rt + 8 * h + g, 256 * kt + 32 * j + 8 * p + 2 * t4
-                        want = e[idx[row, col]] | e[idx[row, col + 1]] << 16
-                        np.testing.assert_array_equal(pair, want)
