@@ -49,7 +49,8 @@ BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
 KERNELS = ("auto", "mma", "wgmma", "latency", "cluster", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
-_WARPS = 4  # per gemm_mma CTA
+_WARPS = 4  # per gemm_mma CTA (mma.sync; 8 where _mma_warps says)
+_WIDE_WARPS = 8  # gemm_mma.cu WARPS = 8 (0: never, for A/B runs)
 _WG_WARPGROUPS = None  # override of _jit.gemm_wg_warpgroups (for A/B runs)
 _CHUNK_WEIGHTS = 1 << 24  # repack works on this many weights at a time
 
@@ -863,6 +864,21 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int) -> tuple[int, i
     return s * per, groups * s, s
 
 
+def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: int) -> int:
+    """Warps per CTA of the dense mma.sync launch: 8 (two CTAs per SM, one pair
+    table for 8 warps) for k = 4 with E4M4 scales at one n8 tile on the large
+    layers of an sm_90 GPU, else 4. Kernel-only, in one process against 4 warps
+    (results/define_ab_h{100,200}_mma_warps_*_a4fd5c1.txt, fp16 and bf16, M = 1,
+    4, 8): H200 8192x57344 +1..6%, 4096x28672 +3..6%, 14336x4096 +2..6.5%; H100
+    0..+4% (14336x4096 at M = 1 -0.4%); on 5120x5120 and 4096x6144 4-14% slower
+    on both, and k = 3 loses on 4096x28672: not taken there. Not measured
+    without wgmma (sm_80): 4."""
+    if (_WIDE_WARPS and k == 4 and np.dtype(scale_dtype) == np.uint8 and m_tiles == 1
+            and per_warp == 1 and has_wgmma() and _layer_class(N, K_dim, k, True) == "large"):
+        return _WIDE_WARPS
+    return _WARPS
+
+
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
     """(Launch, tensor-map n8 tiles or 0) of gemm_mma.cu for ``M`` rows of A:
     up to 64 (mma) or 256 (wg: the wgmma path; 129..256 warp-specialised,
@@ -882,9 +898,9 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         # Two row tiles per warp where there are row tiles to spare (measured:
         # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
         per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
-        warps = _WARPS
+        warps = _mma_warps(weight.k, weight.absmax.dtype, m_tiles, per_warp, N, K_dim)
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
-                               m_tiles, per_warp)
+                               m_tiles, per_warp, *((0, False, warps) if warps != 4 else ()))
     # mma: two stages of a K tile's activations; wgmma: three, or a ring of
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
     # swizzle) by the kernel

@@ -29,7 +29,7 @@
 // Effective weight: half(codebook[idx]) * half(scale) in the activation type
 // (FORMAT.md section 7 allows one unit in the last place against section 6).
 //
-// Work split: a CTA's 4 warps own a "group" of 4 * RPW row tiles and walk its
+// Work split: a CTA's warps (4, or WARPS) own a "group" of warps * RPW row tiles and walk its
 // K tiles together (they share the staged activations). The (group, K tile)
 // units, n_groups * group_units of them, are cut into equal contiguous
 // ranges, one per CTA. gemm.py picks one of two shapes:
@@ -144,20 +144,29 @@ constexpr int kMinCtas =
     M_TILES == 4 && RPW == 2 ? (K == 2 && SCALE_BYTES == 1 ? 4 : K == 4 ? 3 : 1)
     : kScaleAfterOf<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED> ? 5 : 1;
 
+// WARPS = 8 (the dense mma.sync launch only): 8 warps per CTA and two CTAs
+// per SM (128 registers) instead of 4 warps and kMinCtas. One CTA's pair
+// table and activation stage then serve 8 warps. gemm.py takes it for k = 4
+// with E4M4 scales at one n8 tile on the large layers, where it measured
+// faster on both GPUs (results/define_ab_h{100,200}_mma_warps_*_a4fd5c1.txt).
+template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
+constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
+
 // RPW: row tiles per warp. With many n8 tiles the activation fragments
 // (shared-memory reads) dominate, so on layers with enough row tiles a warp
 // reuses each one for two row tiles (gemm.py chooses).
 // WG > 0: the Hopper path (see the header; sm_90a only) with WG warpgroups
-// per CTA, RPW = 1, the staged activations in wgmma's layout. WG = 0: mma.sync, 4 warps.
+// per CTA, RPW = 1, the staged activations in wgmma's layout. WG = 0: mma.sync, WARPS warps.
 // GROUPED: the grouped launch (see the header); M is then the rows of C, q
 // the GPU's SM count, rem the most problems the host allows for, group_offsets holds experts + 1 row offsets, and
 // row_ids (optional) maps sorted rows to rows of C and, divided by
 // ids_per_row, of A. route_ids (optional, instead of group_offsets and
 // row_ids): the router's M expert ids; every CTA groups them itself (below).
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
-          bool GROUPED = false>
-__global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 128,
-                                  kMinCtas<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED>) kbit_gemm_mma(
+          bool GROUPED = false, int WARPS = 4>
+__global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 32 * WARPS,
+                                  kLaunchMinCtas<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>)
+    kbit_gemm_mma(
     const uint4* __restrict__ tiles, const void* __restrict__ scales,
     const float* __restrict__ codebook, const T* __restrict__ A, T* __restrict__ C,
     int M, int N, int K_dim, int row_tiles, int k_tiles, int group_units, int q, int rem,
@@ -167,6 +176,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
+  static_assert(WARPS == 4 || (WARPS == 8 && !WG && !GROUPED), "8 warps: the dense mma.sync launch");
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
