@@ -146,9 +146,10 @@ constexpr int kMinCtas =
 
 // WARPS = 8 (the dense mma.sync launch only): 8 warps per CTA and two CTAs
 // per SM (128 registers) instead of 4 warps and kMinCtas. One CTA's pair
-// table and activation stage then serve 8 warps. gemm.py takes it for k = 4
-// with E4M4 scales at one n8 tile on the large layers, where it measured
-// faster on both GPUs (results/define_ab_h{100,200}_mma_warps_*_a4fd5c1.txt).
+// table (64 KB, addressed by PRMT: kPrmtTable) and activation stage then
+// serve 8 warps. gemm.py takes it for k = 4 with E4M4 scales at one n8 tile
+// on the large layers, where it measured faster on both GPUs
+// (results/define_ab_h{100,200}_mma_warps_*_a4fd5c1.txt).
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
@@ -558,10 +559,27 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Not for k=4 with M_TILES = 4 and one row tile per warp (mma.sync): there
   // the 32 KB table drops the CTAs per SM from four to three (measured 15%
   // slower).
-  constexpr bool kPairTable = K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1)));
+  // The 8-warp launch (k = 4): the same table with 256-byte entries (64 KB,
+  // in the dynamic shared memory after the stages; gemm.py adds it), so that
+  // a pair's byte, which sits at a byte of its index word, becomes the
+  // entry's offset (byte << 8 | 4 lane) by one PRMT instead of a funnel shift
+  // and a LOP3: 2 instructions per pair instead of 3. H200, in one process
+  // against the 32 KB table (define_ab_h200_k4_prmt_table_*_26f2642.txt):
+  // +1.9..3.4% on 8192x57344, 4096x28672 and 14336x4096 at M = 1..8, fp16 and
+  // bf16, the same bits. (Its two CTAs per SM have the room; the 4-warp
+  // launches' five would drop to three.)
+  constexpr bool kPrmtTable = K == 4 && WARPS == 8;
+  constexpr bool kPairTable = !kPrmtTable && (K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1))));
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
-  if constexpr (kPairTable && !WG) {
+  uint4* const prmt_tab = x_stage + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
+  if constexpr (kPrmtTable) {
+    for (int i0 = warp * 32; i0 < 256 * 8; i0 += blockDim.x) {
+      const int i = i0 + lane, b = i >> 3;
+      const unsigned v = (__shfl_sync(kFullMask, cb, b & 15) & 0xffffu) | (__shfl_sync(kFullMask, cb, b >> 4) << 16);
+      prmt_tab[b * 16 + (i & 7)] = make_uint4(v, v, v, v);
+    }
+  } else if constexpr (kPairTable && !WG) {
     // mma: built by shuffles from the lane-register codebook `cb`, no loads in
     // the loop (a warp-uniform trip count). Measured on the H100 against the
     // loop of codebook loads below (16 dependent L2 round trips per thread at
@@ -905,8 +923,15 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
               block_scale_pair<T, TScale, kAluScale>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
-            const unsigned pair = weight_pair<K, kPairTable>(w[r], 16 * j + 8 * h + 2 * p, cb,
-                                                             cb_pair, pair_tab, lane4);
+            unsigned pair;
+            if constexpr (kPrmtTable) {  // pair p of word 2j + h: its byte p
+              pair = *reinterpret_cast<const unsigned*>(
+                  reinterpret_cast<const char*>(prmt_tab) +
+                  __byte_perm(w[r][2 * j + h], lane4, 0x5504u | (unsigned)(p << 4)));
+            } else {
+              pair = weight_pair<K, kPairTable>(w[r], 16 * j + 8 * h + 2 * p, cb, cb_pair, pair_tab,
+                                                lane4);
+            }
             wp[r][h][p] = kScaleAfter ? pair : Mma<T>::mul2(pair, sp);
           }
         }
