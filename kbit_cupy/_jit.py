@@ -104,8 +104,7 @@ def all_variants() -> list[Variant]:
                         for rpw in (1, 2) if m_tiles >= 4 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, rpw)))
                     if k == 4 and scale == "uint8":  # 8 warps per CTA (gemm.py _mma_warps)
-                        for prmt_table in (False, True):  # gemm.py _prmt_table
-                            out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8, prmt_table)))
+                        out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
                     for m_tiles in gemm_wg_m_tiles(k, scale):
                         wgs = gemm_wg_warpgroups(m_tiles, k)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))

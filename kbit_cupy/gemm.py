@@ -879,31 +879,6 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     return _WARPS
 
 
-# The 8-warp launch's pair table addressed by PRMT (gemm_mma.cu PRMT_TABLE)
-# from this memory bandwidth up: one instruction per pair fewer, which shows
-# where the decode, not the read, sets the time. In one process against the
-# 32 KB table (results/ab_tree_h{200,100}_41d04ff_vs_26f2642_*.txt): H200
-# (4.8 TB/s) +2.0..4.3%, H100 (3.35 TB/s) -1.6..+0.6%.
-_PRMT_TABLE_MIN_TBPS = 4.0
-
-
-def memory_tbps() -> float | None:
-    """The current GPU's peak DRAM bandwidth in TB/s from its attributes
-    (2 x memory clock x bus width), or None where the driver does not report them."""
-    attrs = _attributes()
-    clock_khz, bus_bits = attrs.get("MemoryClockRate", 0), attrs.get("GlobalMemoryBusWidth", 0)
-    if not clock_khz or not bus_bits:
-        return None
-    return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e12
-
-
-def _prmt_table() -> bool:
-    """Whether the 8-warp launch takes the PRMT-addressed table: by bandwidth
-    (_PRMT_TABLE_MIN_TBPS); unknown bandwidth: the 32 KB table."""
-    tbps = memory_tbps()
-    return tbps is not None and tbps >= _PRMT_TABLE_MIN_TBPS
-
-
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
     """(Launch, tensor-map n8 tiles or 0) of gemm_mma.cu for ``M`` rows of A:
     up to 64 (mma) or 256 (wg: the wgmma path; 129..256 warp-specialised,
@@ -924,9 +899,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
         per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
         warps = _mma_warps(weight.k, weight.absmax.dtype, m_tiles, per_warp, N, K_dim)
-        prmt_table = warps == 8 and _prmt_table()
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
-                               m_tiles, per_warp, *((0, False, warps, prmt_table) if warps != 4 else ()))
+                               m_tiles, per_warp, *((0, False, warps) if warps != 4 else ()))
     # mma: two stages of a K tile's activations; wgmma: three, or a ring of
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
     # swizzle) by the kernel
@@ -934,7 +908,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, dtype.itemsize)
     else:
         shared = 2 * m_tiles * 8 * K_PER_TILE * dtype.itemsize
-        if prmt_table:  # gemm_mma.cu PRMT_TABLE: k=4's pair table, 256 entries of 256 bytes
+        if warps == 8:  # gemm_mma.cu kPrmtTable: k=4's pair table, 256 entries of 256 bytes
             shared += 256 * 256
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps

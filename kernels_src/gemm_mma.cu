@@ -164,7 +164,7 @@ constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES
 // ids_per_row, of A. route_ids (optional, instead of group_offsets and
 // row_ids): the router's M expert ids; every CTA groups them itself (below).
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
-          bool GROUPED = false, int WARPS = 4, bool PRMT_TABLE = false>
+          bool GROUPED = false, int WARPS = 4>
 __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 32 * WARPS,
                                   kLaunchMinCtas<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>)
     kbit_gemm_mma(
@@ -178,7 +178,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
   static_assert(WARPS == 4 || (WARPS == 8 && !WG && !GROUPED), "8 warps: the dense mma.sync launch");
-  static_assert(!PRMT_TABLE || (K == 4 && WARPS == 8), "the PRMT-addressed table: k = 4, 8 warps");
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
@@ -560,17 +559,19 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Not for k=4 with M_TILES = 4 and one row tile per warp (mma.sync): there
   // the 32 KB table drops the CTAs per SM from four to three (measured 15%
   // slower).
-  // PRMT_TABLE (the 8-warp launch, k = 4): the same table with 256-byte
-  // entries (64 KB, in the dynamic shared memory after the stages; gemm.py
-  // adds it), so that a pair's byte, which sits at a byte of its index word,
-  // becomes the entry's offset (byte << 8 | 4 lane) by one PRMT instead of a
-  // funnel shift and a LOP3: 2 instructions per pair instead of 3. In one
-  // process against the 32 KB table, the same bits: H200 +2.0..4.3% on
-  // 8192x57344, 4096x28672 and 14336x4096 at M = 1..8 (fp16, bf16); H100
-  // -1.6..+0.6% (ab_tree_h{200,100}_41d04ff_vs_26f2642_*.txt), so gemm.py
-  // takes it by the GPU's memory bandwidth. (Two CTAs per SM have the room;
-  // the 4-warp launches' five would drop to three.)
-  constexpr bool kPrmtTable = PRMT_TABLE;
+  // The 8-warp launch (k = 4): the same table with 256-byte entries (64 KB,
+  // in the dynamic shared memory after the stages; gemm.py adds it), so that
+  // a pair's byte, which sits at a byte of its index word, becomes the
+  // entry's offset (byte << 8 | 4 lane) by one PRMT instead of a funnel shift
+  // and a LOP3: 2 instructions per pair instead of 3. In one process against
+  // the 32 KB table, the same bits: H200 +1.7..4.3% on 8192x57344, 4096x28672
+  // and 14336x4096 at M = 1..8, fp16 and bf16, in three runs
+  // (define_ab_h200_k4_prmt_table_*_26f2642.txt, ab_tree_h200_41d04ff_vs_26f2642_*,
+  // ab_tree_h200_20a5867_vs_26f2642.txt); H100 within the spread of two
+  // weights of the same kernel in one process (+-1.7% on 8192x57344,
+  // define_ab_h100_prmt_table_20a5867.txt). (Its two CTAs per SM have the
+  // room; the 4-warp launches' five would drop to three.)
+  constexpr bool kPrmtTable = K == 4 && WARPS == 8;
   constexpr bool kPairTable = !kPrmtTable && (K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1))));
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];

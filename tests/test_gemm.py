@@ -609,19 +609,3 @@ def test_eight_warp_rule():
         assert gemm._mma_warps(4, np.uint8, 1, 1, 57344, 8192) == 4  # sm_80: not measured
     finally:
         gemm.has_wgmma = saved
-
-
-def test_prmt_table_by_memory_bandwidth(monkeypatch):
-    # The 8-warp launch's PRMT-addressed pair table from 4 TB/s of peak DRAM
-    # bandwidth (the device's memory clock and bus width): the H200 (+2..4%
-    # measured), not the H100 (-1.6..+0.6%); a driver that reports neither
-    # gets the 32 KB table, never an error.
-    from kbit_cupy import gemm
-
-    for attrs, want in [({"MemoryClockRate": 2619000, "GlobalMemoryBusWidth": 5120}, False),  # H100 SXM
-                        ({"MemoryClockRate": 3201000, "GlobalMemoryBusWidth": 6144}, True),  # H200
-                        ({}, False), ({"MemoryClockRate": 0, "GlobalMemoryBusWidth": 6144}, False)]:
-        monkeypatch.setattr(gemm, "_attributes", lambda attrs=attrs: attrs)
-        assert gemm._prmt_table() is want, attrs
-    monkeypatch.setattr(gemm, "_attributes", lambda: {"MemoryClockRate": 2619000, "GlobalMemoryBusWidth": 5120})
-    assert abs(gemm.memory_tbps() - 3.352) < 0.01
