@@ -593,19 +593,15 @@ def test_eight_warp_rule_against_its_runs(monkeypatch, gpu):
     assert points >= 20, points
 
 
-def test_eight_warp_rule():
+def test_eight_warp_rule(monkeypatch):
     from kbit_cupy import gemm
 
-    saved = gemm.has_wgmma
-    try:
-        gemm.has_wgmma = lambda: True
-        assert gemm._mma_warps(4, np.uint8, 1, 1, 57344, 8192) == 8
-        assert gemm._mma_warps(4, np.uint8, 1, 1, 4096, 14336) == 8
-        assert gemm._mma_warps(4, np.float16, 1, 1, 57344, 8192) == 4  # fp16 scales: not measured
-        assert gemm._mma_warps(3, np.uint8, 1, 1, 57344, 8192) == 4
-        assert gemm._mma_warps(4, np.uint8, 2, 1, 57344, 8192) == 4  # two n8 tiles
-        assert gemm._mma_warps(4, np.uint8, 1, 1, 6144, 4096) == 4  # mid layer
-        gemm.has_wgmma = lambda: False
-        assert gemm._mma_warps(4, np.uint8, 1, 1, 57344, 8192) == 4  # sm_80: not measured
-    finally:
-        gemm.has_wgmma = saved
+    monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
+    assert gemm._mma_warps(4, np.uint8, 1, 1, 57344, 8192) == 8
+    assert gemm._mma_warps(4, np.uint8, 1, 1, 4096, 14336) == 8
+    assert gemm._mma_warps(4, np.float16, 1, 1, 57344, 8192) == 4  # fp16 scales: not measured
+    assert gemm._mma_warps(3, np.uint8, 1, 1, 57344, 8192) == 4
+    assert gemm._mma_warps(4, np.uint8, 2, 1, 57344, 8192) == 4  # two n8 tiles
+    assert gemm._mma_warps(4, np.uint8, 1, 1, 6144, 4096) == 4  # mid layer
+    monkeypatch.setattr(gemm, "has_wgmma", lambda: False)
+    assert gemm._mma_warps(4, np.uint8, 1, 1, 57344, 8192) == 4  # sm_80: not measured
