@@ -154,9 +154,11 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
 
     ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
     ops, outs = {}, {}
-    attr, _, value = define.partition("=")
-    attrs = {attr: value} if "." in attr else {}  # a module attribute of kbit_cupy, not a -D
-    for label, opts in (("default", ()), (define, () if attrs else (f"-D{define}",))):
+    # NAME=VALUE[,NAME=VALUE]: a dotted name is a module attribute of kbit_cupy, not a -D
+    pairs = [kv.partition("=")[::2] for kv in define.split(",")]
+    attrs = {n: v for n, v in pairs if "." in n}
+    defines = tuple(f"-D{n}={v}" for n, v in pairs if "." not in n)
+    for label, opts in (("default", ()), (define, defines)):
         w = copy.copy(experts)
         w._plans = {}
         C = cp.empty((T * top_k, N), cp.float16)
@@ -174,7 +176,10 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
     for kind in ("grouped", "moe_linear"):
         same = bool((outs[f"{kind} default"].view(cp.uint16)
                      == outs[f"{kind} {define}"].view(cp.uint16)).all())
-        print(f"T={T:<4} {kind}: {'the same bits' if same else 'DIFFERENT bits'}", flush=True)
+        a = outs[f"{kind} default"].astype(cp.float32)
+        err = float(cp.linalg.norm(a - outs[f"{kind} {define}"].astype(cp.float32)) / cp.linalg.norm(a))
+        print(f"T={T:<4} {kind}: {'the same bits' if same else 'DIFFERENT bits'} "
+              f"(relative difference {err:.2e})", flush=True)
     _time_and_print(T, ops)
 
 

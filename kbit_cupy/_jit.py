@@ -110,6 +110,8 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
                     for m_tiles in GEMM_GROUPED_M_TILES:  # mixture-of-experts launch
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, True)))
+                    if k == 4 and scale == "uint8":  # the same at 8 warps (experts._grouped_wide)
+                        out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, True, 8)))
                     for m_tiles in GEMM_GROUPED_WG_M_TILES:  # the same on the Hopper path
                         wgs = gemm_grouped_wg_warpgroups(m_tiles, k)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs, True)))

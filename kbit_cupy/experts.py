@@ -530,6 +530,23 @@ def _grouped_wgmma(T: int, E: int) -> bool:
     return T / max(1, min(E, T)) > _GROUPED_WG_MIN_ROWS and has_wgmma()
 
 
+_GROUPED_WIDE_WARPS = 8  # warps a CTA where _grouped_wide says (0: never, for A/B runs)
+
+
+def _grouped_wide(experts: KbitExperts, wg: bool, m_tiles: int) -> bool:
+    """Whether the grouped mma.sync launch runs 8 warps a CTA (gemm_mma.cu
+    WARPS = 8: two CTAs per SM, the PRMT-addressed pair table, the scale
+    after the multiply), as the dense launch does on large layers: k = 4 with
+    E4M4 scales at one n8 tile (up to about 5 rows per expert) on sm_90.
+    Kernel-only against 4 warps (results/moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3.txt,
+    T = 2..32 on 128 x [1536, 2048], 128 x [2048, 768] and 512 x [512, 2048]):
+    H200 4-10% less time, H100 within 1.2% either way. Not measured without
+    wgmma (sm_80): 4 warps there. (Where the 64 KB table does not fit the
+    shared memory with the problem tables, the launch keeps 4 warps.)"""
+    return bool(_GROUPED_WIDE_WARPS and not wg and m_tiles == 1 and experts.k == 4
+                and experts.absmax.dtype == np.uint8 and has_wgmma())
+
+
 _GROUPED_WG = None  # True / False: force the grouped launch's path (for A/B runs)
 _GROUPED_WG_WARPGROUPS = None  # override of _jit.gemm_grouped_wg_warpgroups (for A/B runs)
 # H100, k=4 (results/moe_mtiles_ab_h100_*): at 5 rows per expert the Hopper
@@ -553,18 +570,25 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
             wgs = _GROUPED_WG_WARPGROUPS or _jit.gemm_grouped_wg_warpgroups(m_tiles, experts.k)
         else:
             m_tiles, wgs = grouped_m_tiles(T, E), 0
-        kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
-                               m_tiles, 1, wgs, True)
         stage = m_tiles * 8 * K_PER_TILE * dtype.itemsize
         # the activation stages (wgmma: three, aligned at run time to 1 KB), then
         # the problem tables (and the routed ids and order)
         stages = 3 * stage + 1024 if wg else 2 * stage
         shared = stages + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
+        wide = _grouped_wide(experts, wg, m_tiles)
+        if wide:  # the PRMT-addressed pair table (64 KB) between the two, where it fits
+            kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
+                                   m_tiles, 1, wgs, True, _GROUPED_WIDE_WARPS)
+            wide = kern.shared_size_bytes + shared + 256 * 256 <= limit
+            shared += 256 * 256 if wide else 0
+        if not wide:
+            kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
+                                   m_tiles, 1, wgs, True)
         smaller = tuple(t for t in choices if t < m_tiles)
         if not wg or kern.shared_size_bytes + shared <= limit or not smaller:
             break
         choices = smaller  # 128-row stages with k=4's pair table and many experts: smaller problems
-    warps = 4 * wgs if wg else _WARPS
+    warps = 4 * wgs if wg else _GROUPED_WIDE_WARPS if wide else _WARPS
     threads = 32 * warps
     rows_per_problem = 8 * m_tiles
     # gemm_mma.cu, "Grouped launch": the problem count is found on the device;

@@ -132,9 +132,12 @@ __host__ __device__ constexpr int kReloadAfter(int q) {
 // (4 CTAs at 128 registers) and at k = 4 (3 CTAs at 168); elsewhere the
 // compiler chooses (fp16 scales at k = 2 would spill at 128).
 // Scale after the multiply (see kScaleAfter in the kernel): k = 4, E4M4
-// scales, mma.sync at one n8 tile, not grouped.
-template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED>
-constexpr bool kScaleAfterOf = K == 4 && SCALE_BYTES == 1 && M_TILES == 1 && RPW == 1 && WG == 0 && !GROUPED;
+// scales, mma.sync at one n8 tile; the grouped launch only with 8 warps
+// (with 4 it measured 2-12% slower on the H100, -2..+14% on the H200:
+// results/moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3.txt).
+template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS = 4>
+constexpr bool kScaleAfterOf = K == 4 && SCALE_BYTES == 1 && M_TILES == 1 && RPW == 1 && WG == 0 &&
+                               (!GROUPED || WARPS == 8);
 // With the scale after the multiply, five CTAs: ptxas otherwise hoists the
 // decode of later blocks (the multiplies no longer form one chain) and takes
 // 144 registers; at five, 96 and no spill, and the 33 KB of tables already
@@ -144,12 +147,14 @@ constexpr int kMinCtas =
     M_TILES == 4 && RPW == 2 ? (K == 2 && SCALE_BYTES == 1 ? 4 : K == 4 ? 3 : 1)
     : kScaleAfterOf<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED> ? 5 : 1;
 
-// WARPS = 8 (the dense mma.sync launch only): 8 warps per CTA and two CTAs
-// per SM (128 registers) instead of 4 warps and kMinCtas. One CTA's pair
-// table (64 KB, addressed by PRMT: kPrmtTable) and activation stage then
-// serve 8 warps. gemm.py takes it for k = 4 with E4M4 scales at one n8 tile
-// on the large layers, where it measured faster on both GPUs
-// (results/define_ab_h{100,200}_mma_warps_*_a4fd5c1.txt).
+// WARPS = 8 (mma.sync at one n8 tile): 8 warps per CTA and two CTAs per SM
+// (128 registers) instead of 4 warps and kMinCtas. One CTA's pair table (64
+// KB, addressed by PRMT: kPrmtTable) and activation stage then serve 8
+// warps. gemm.py takes it for k = 4 with E4M4 scales on the large layers,
+// where it measured faster on both GPUs (results/define_ab_h{100,200}_mma_warps_*_a4fd5c1.txt);
+// experts.py for the grouped launch at one n8 tile (k = 4, E4M4, sm_90), with
+// the scale after the multiply: H200 7-10% faster at T = 2..32 on three
+// configs, H100 -0.7..+0.4% (results/moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3.txt).
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
@@ -177,7 +182,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
-  static_assert(WARPS == 4 || (WARPS == 8 && !WG && !GROUPED), "8 warps: the dense mma.sync launch");
+  static_assert(WARPS == 4 || (WARPS == 8 && !WG && M_TILES == 1 && RPW == 1),
+                "8 warps: the mma.sync launch at one n8 tile");
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
@@ -226,7 +232,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // (gemm.py's 1 KB of alignment slack covers the shift).
   const int x_align =
       WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
-  int* tile_cum = reinterpret_cast<int*>(x_stage + x_align + kStages * kStageChunks);  // [experts + 1]
+  // k = 4 with 8 warps: the PRMT-addressed pair table (64 KB, kPrmtTable below)
+  // follows the stages, the grouped launch's tables follow it.
+  constexpr bool kPrmtTable = K == 4 && WARPS == 8;
+  uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
+  int* tile_cum = reinterpret_cast<int*>(prmt_tab + (kPrmtTable ? 256 * 16 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
   // route_ids: the ids (M) and the sorted order (M) follow
   int* route_id = row_start + experts + 1;
@@ -432,8 +442,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // CTA per SM).
   // Grouped: the rows of a problem (Place: rows row0 .. row0 + rows - 1 of A);
   // all 8 * M_TILES staged rows are written, those past `rows` zero-filled.
-  constexpr int kThreads = WG ? 128 * WG : 128;  // the launch's block size
-  // Grouped: this thread's staged rows t / 32 + 4i of the problem whose rows
+  constexpr int kThreads = WG ? 128 * WG : 32 * WARPS;  // the launch's block size
+  // Grouped: this thread's staged rows t / 32 + (kThreads / 32) i of the problem whose rows
   // start at sorted row src_key0 (src_key1 of them), as rows of A (-1: past
   // the problem), resolved when the problem changes, not per K tile: with
   // row_ids each lookup is a dependent load (and a division) ahead of the
@@ -538,11 +548,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // 2^116 (KBIT_BF16_ALU_SCALE, mma_common.cuh, with its measurements).
   constexpr bool kAluScale =
       sizeof(TScale) == 1 && (IsHalf<T>::value || KBIT_BF16_ALU_SCALE) &&
-      !(K == 4 && !WG && M_TILES == 1) &&
+      !(K == 4 && !WG && M_TILES == 1) && !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS> &&
       !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
   // (none where the scales come after the multiply: kScaleAfter below)
   constexpr bool kScaleTable =
-      sizeof(TScale) == 1 && !kAluScale && !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED>;
+      sizeof(TScale) == 1 && !kAluScale && !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
   __shared__ unsigned scale_pair[kScaleTable ? 256 : 1];
   if constexpr (kScaleTable) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -560,9 +570,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // the 32 KB table drops the CTAs per SM from four to three (measured 15%
   // slower).
   // The 8-warp launch (k = 4): the same table with 256-byte entries (64 KB,
-  // in the dynamic shared memory after the stages; gemm.py adds it), so that
-  // a pair's byte, which sits at a byte of its index word, becomes the
-  // entry's offset (byte << 8 | 4 lane) by one PRMT instead of a funnel shift
+  // in the dynamic shared memory after the stages; gemm.py and experts.py add
+  // it), so that a pair's byte, which sits at a byte of its index word,
+  // becomes the entry's offset (byte << 8 | 4 lane) by one PRMT instead of a funnel shift
   // and a LOP3: 2 instructions per pair instead of 3. In one process against
   // the 32 KB table, the same bits: H200 +1.7..4.3% on 8192x57344, 4096x28672
   // and 14336x4096 at M = 1..8, fp16 and bf16, in three runs
@@ -571,11 +581,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // weights of the same kernel in one process (+-1.7% on 8192x57344,
   // define_ab_h100_prmt_table_20a5867.txt). (Its two CTAs per SM have the
   // room; the 4-warp launches' five would drop to three.)
-  constexpr bool kPrmtTable = K == 4 && WARPS == 8;
   constexpr bool kPairTable = !kPrmtTable && (K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1))));
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
-  uint4* const prmt_tab = x_stage + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
   if constexpr (kPrmtTable) {
     for (int i0 = warp * 32; i0 < 256 * 8; i0 += blockDim.x) {
       const int i = i0 + lane, b = i >> 3;
@@ -686,7 +694,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // = 1..8 on 8192x57344 +5..6%, 4096x28672 +3..4%, 14336x4096 +1..2.5%,
   // 4096x6144 within 0.3%. Not kept for k = 2 (64 registers: within 2%), k = 3
   // (-5..+6% by layer) and k = 5 (slower), nor for fp16 scales (spills).
-  constexpr bool kScaleAfter = kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED>;
+  constexpr bool kScaleAfter = kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
   // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile
   // row_tile(grp, r), summed over the current segment's K tiles.
   float acc[RPW][M_TILES][4];

@@ -142,6 +142,28 @@ def test_grouped_launch_leaves_mma_sync_below_five_rows_per_expert(monkeypatch):
     assert _grouped_wgmma(2560, 512)  # 5: 16-row wgmma problems 3% faster
 
 
+def test_grouped_eight_warps_only_where_measured(monkeypatch):
+    """8 warps a CTA for the grouped mma.sync launch: k = 4 with E4M4 scales
+    at one n8 tile on sm_90 (moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3),
+    4 warps anywhere else."""
+    from kbit_cupy import experts as experts_module
+
+    W = np.random.default_rng(0).standard_normal((2, 16, 64)).astype(np.float32)
+    k4, k3 = quantize_experts(W, 4), quantize_experts(W, 3)
+    k4_fp16 = quantize_experts(W, 4, absmax_format="fp16")
+    monkeypatch.setattr(experts_module, "has_wgmma", lambda: True)
+    assert experts_module._grouped_wide(k4, False, 1)
+    assert not experts_module._grouped_wide(k4, True, 2)  # the Hopper path
+    assert not experts_module._grouped_wide(k4, False, 2)
+    assert not experts_module._grouped_wide(k3, False, 1)
+    assert not experts_module._grouped_wide(k4_fp16, False, 1)
+    monkeypatch.setattr(experts_module, "_GROUPED_WIDE_WARPS", 0)
+    assert not experts_module._grouped_wide(k4, False, 1)
+    monkeypatch.setattr(experts_module, "_GROUPED_WIDE_WARPS", 8)
+    monkeypatch.setattr(experts_module, "has_wgmma", lambda: False)  # sm_80: not measured
+    assert not experts_module._grouped_wide(k4, False, 1)
+
+
 @pytest.mark.parametrize(
     "call, exc, match",
     [
@@ -288,6 +310,59 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
     rows = x[order // top_k]
     C = cp.asnumpy(kbit_grouped_gemm(cp.asarray(rows), ex, cp.asarray(offsets)))
     assert np.array_equal(C.view(np.uint16), got.reshape(-1, N)[order].view(np.uint16))
+
+
+@gpu_test
+@pytest.mark.parametrize("routing", ["in_launch", "routing_launch"])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("E, N, K_dim, T, top_k", [
+    (64, 100, 96, 8, 4),      # 7 row tiles: one short group of 8 warps
+    (128, 300, 288, 16, 8),   # 19 row tiles: two groups and a short one
+    (512, 40, 1024, 37, 10),  # 3 row tiles, 512 experts
+    (8, 2064, 2048, 3, 2),    # 129 row tiles, 8 K tiles
+])
+def test_gpu_grouped_eight_warp_launch(E, N, K_dim, T, top_k, dtype, routing, monkeypatch):
+    """k = 4, E4M4, about one row per expert on sm_90: the grouped mma.sync
+    launch at 8 warps a CTA (experts._grouped_wide: the PRMT-addressed pair
+    table, the scale after the multiply) through moe_linear (routing inside the
+    launch or the routing launch) and kbit_grouped_gemm: within the format's
+    bounds, every element written, the same bits again; the 4-warp launch of
+    the same calls within the bounds too."""
+    import cupy as cp
+
+    from kbit_cupy import experts as experts_module
+    from kbit_cupy.gemm import has_wgmma
+
+    if not has_wgmma():
+        pytest.skip("the 8-warp grouped launch is taken on sm_90 only")
+    monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", False)  # few rows: the grouped launch
+    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 0)  # few pairs too
+    if routing == "routing_launch":
+        monkeypatch.setattr(experts_module, "_FUSED_ROUTE_MAX_PAIRS", 0)
+    ex, x, ids = _device_case(E, N, K_dim, T, top_k, 4, dtype, seed=E + N)
+    assert not experts_module._grouped_wgmma(T * top_k, E)
+    assert experts_module.grouped_m_tiles(T * top_k, E) == 1
+    assert experts_module._grouped_wide(ex, False, 1)
+    _, order, offsets = _grouped(ids, E)
+    rows = cp.asarray(x[order // top_k])
+    ref = reference(x, ids, ex)
+    results = {}
+    for warps in (8, 0):
+        monkeypatch.setattr(experts_module, "_GROUPED_WIDE_WARPS", warps)
+        ex._plans.clear()
+        out = cp.full((T, top_k, N), np.nan, dtype=dtype)
+        got = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex, out=out))
+        assert not np.isnan(got.astype(np.float32)).any(), warps
+        assert rel_error(got, ref) <= BOUNDS[np.dtype(dtype)], warps
+        again = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
+        assert np.array_equal(again.view(np.uint16), got.view(np.uint16)), warps
+        C = cp.full((T * top_k, N), np.nan, dtype=dtype)
+        C = cp.asnumpy(kbit_grouped_gemm(rows, ex, cp.asarray(offsets), out=C))
+        assert np.array_equal(C.view(np.uint16), got.reshape(-1, N)[order].view(np.uint16)), warps
+        blocks = {run._launch.block[0] for run in ex._plans.values()}
+        assert blocks == ({256} if warps else {128}), (warps, blocks)
+        results[warps] = got
+    assert rel_error(results[8], results[0].astype(np.float32)) <= BOUNDS[np.dtype(dtype)]
 
 
 @gpu_test
