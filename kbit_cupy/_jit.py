@@ -127,6 +127,9 @@ MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_r
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
 GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Hopper path (sm_90a)
+# k = 4 on that path up to this many n8 tiles: the 64 KB PRMT-addressed pair
+# table in dynamic shared memory (gemm_mma.cu kGroupedWgPrmtMaxTiles)
+GEMM_GROUPED_WG_PRMT_MAX_TILES = 6
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
 # gemm_latency.cu's cluster split (CLUSTER, sm_90a): n8 tiles per M chunk (a

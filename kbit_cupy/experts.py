@@ -584,6 +584,8 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
         if not wide:
             kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
                                    m_tiles, 1, wgs, True)
+            if wg and experts.k == 4 and m_tiles <= _jit.GEMM_GROUPED_WG_PRMT_MAX_TILES:
+                shared += 256 * 256  # gemm_mma.cu kGroupedWgPrmtMaxTiles: the PRMT table
         smaller = tuple(t for t in choices if t < m_tiles)
         if not wg or kern.shared_size_bytes + shared <= limit or not smaller:
             break

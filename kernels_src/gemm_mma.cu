@@ -155,6 +155,14 @@ constexpr int kMinCtas =
 // experts.py for the grouped launch at one n8 tile (k = 4, E4M4, sm_90), with
 // the scale after the multiply: H200 7-10% faster at T = 2..32 on three
 // configs, H100 -0.7..+0.4% (results/moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3.txt).
+// The grouped Hopper path (k = 4) reads its pair table through PRMT as the
+// 8-warp launch does (64 KB in the dynamic shared memory, experts.py adds it)
+// for problems of up to 48 rows: 4-6% less time at T = 128 and 512 on five
+// configs on the H100, 5-8% on three on the H200 (results/moe_gap_probe_h{100,200}_wg_prmt_9eefc53.txt,
+// same bits). 128-row problems keep the 32 KB table: with 64 KB their stages
+// no longer fit and the launch took smaller problems, 4.6% slower (Mixtral, T = 512).
+constexpr int kGroupedWgPrmtMaxTiles = 6;
+
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
@@ -232,9 +240,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // (gemm.py's 1 KB of alignment slack covers the shift).
   const int x_align =
       WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
-  // k = 4 with 8 warps: the PRMT-addressed pair table (64 KB, kPrmtTable below)
-  // follows the stages, the grouped launch's tables follow it.
-  constexpr bool kPrmtTable = K == 4 && WARPS == 8;
+  // k = 4 with 8 warps, and the grouped Hopper path's problems of up to 48
+  // rows (kGroupedWgPrmtMaxTiles): the PRMT-addressed pair table (64 KB,
+  // kPrmtTable below) follows the stages, the grouped launch's tables follow it.
+  constexpr bool kPrmtTable = K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles));
   uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
   int* tile_cum = reinterpret_cast<int*>(prmt_tab + (kPrmtTable ? 256 * 16 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]

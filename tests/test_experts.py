@@ -142,6 +142,22 @@ def test_grouped_launch_leaves_mma_sync_below_five_rows_per_expert(monkeypatch):
     assert _grouped_wgmma(2560, 512)  # 5: 16-row wgmma problems 3% faster
 
 
+@pytest.mark.parametrize("m_tiles", [2, 6, 8, 16])
+def test_grouped_hopper_pair_table_where_experts_py_adds_its_shared_memory(m_tiles):
+    """k = 4 on the grouped Hopper path: the kernel reads the 64 KB PRMT table
+    from dynamic shared memory (its 32 KB static pair table gone) exactly for
+    the problem sizes where experts.py adds the 64 KB (offline compile)."""
+    pytest.importorskip("cupy")
+    from kbit_cupy import _jit
+
+    wgs = _jit.gemm_grouped_wg_warpgroups(m_tiles, 4)
+    (res,) = _jit.compile_check(["sm_90a"], [_jit.Variant("gemm_mma", (4, "float16", "uint8",
+                                                                       m_tiles, 1, wgs, True))])
+    assert res.ok, res.log
+    prmt = m_tiles <= _jit.GEMM_GROUPED_WG_PRMT_MAX_TILES
+    assert (res.smem_bytes < 1024) == prmt, (m_tiles, res.smem_bytes)
+
+
 def test_grouped_eight_warps_only_where_measured(monkeypatch):
     """8 warps a CTA for the grouped mma.sync launch: k = 4 with E4M4 scales
     at one n8 tile on sm_90 (moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3),
