@@ -575,17 +575,18 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
         # the problem tables (and the routed ids and order)
         stages = 3 * stage + 1024 if wg else 2 * stage
         shared = stages + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
+        # (between the two: k = 4's PRMT-addressed pair table, where the kernel has it)
         wide = _grouped_wide(experts, wg, m_tiles)
-        if wide:  # the PRMT-addressed pair table (64 KB) between the two, where it fits
+        if wide:  # 8 warps where their table fits
             kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
                                    m_tiles, 1, wgs, True, _GROUPED_WIDE_WARPS)
-            wide = kern.shared_size_bytes + shared + 256 * 256 <= limit
-            shared += 256 * 256 if wide else 0
+            table = _jit.gemm_prmt_table_bytes(experts.k, m_tiles, wgs, True, _GROUPED_WIDE_WARPS)
+            wide = kern.shared_size_bytes + shared + table <= limit
         if not wide:
             kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
                                    m_tiles, 1, wgs, True)
-            if wg and experts.k == 4 and m_tiles <= _jit.GEMM_GROUPED_WG_PRMT_MAX_TILES:
-                shared += 256 * 256  # gemm_mma.cu kGroupedWgPrmtMaxTiles: the PRMT table
+        shared += _jit.gemm_prmt_table_bytes(experts.k, m_tiles, wgs, True,
+                                             _GROUPED_WIDE_WARPS if wide else 4)
         smaller = tuple(t for t in choices if t < m_tiles)
         if not wg or kern.shared_size_bytes + shared <= limit or not smaller:
             break

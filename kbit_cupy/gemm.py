@@ -908,8 +908,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, dtype.itemsize)
     else:
         shared = 2 * m_tiles * 8 * K_PER_TILE * dtype.itemsize
-        if warps == 8 and weight.k == 4:  # gemm_mma.cu kPrmtTable: k=4's table, 256 entries of 256 bytes
-            shared += 256 * 256
+        shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, 0, False, warps)
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps
     threads = _jit.gemm_wg_threads(m_tiles, wgs) if wg else warps * 32

@@ -153,8 +153,9 @@ constexpr int kMinCtas =
 // warps. gemm.py takes it for k = 4 with E4M4 scales on the large layers,
 // where it measured faster on both GPUs (results/define_ab_h{100,200}_mma_warps_*_a4fd5c1.txt);
 // experts.py for the grouped launch at one n8 tile (k = 4, E4M4, sm_90), with
-// the scale after the multiply: H200 7-10% faster at T = 2..32 on three
-// configs, H100 -0.7..+0.4% (results/moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3.txt).
+// the scale after the multiply: H200 4-10% less time at T = 2..32 on three
+// configs, H100 within 1.2% either way (results/moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3.txt).
+// (gemm.py and experts.py size the table's shared memory by _jit.gemm_prmt_table_bytes.)
 // The grouped Hopper path (k = 4) reads its pair table through PRMT as the
 // 8-warp launch does (64 KB in the dynamic shared memory, experts.py adds it)
 // for problems of up to 48 rows: 4-6% less time at T = 128 and 512 on five
@@ -557,7 +558,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // 2^116 (KBIT_BF16_ALU_SCALE, mma_common.cuh, with its measurements).
   constexpr bool kAluScale =
       sizeof(TScale) == 1 && (IsHalf<T>::value || KBIT_BF16_ALU_SCALE) &&
-      !(K == 4 && !WG && M_TILES == 1) && !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS> &&
+      !(K == 4 && !WG && M_TILES == 1) &&
       !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
   // (none where the scales come after the multiply: kScaleAfter below)
   constexpr bool kScaleTable =
