@@ -130,14 +130,23 @@ GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Ho
 # k = 4 on that path up to this many n8 tiles: the 64 KB PRMT-addressed pair
 # table in dynamic shared memory (gemm_mma.cu kGroupedWgPrmtMaxTiles)
 GEMM_GROUPED_WG_PRMT_MAX_TILES = 6
+# and on the dense Hopper path up to this many (gemm_mma.cu
+# KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
+GEMM_DENSE_WG_PRMT_MAX_TILES = 0
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
 
 
 def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: int) -> int:
     """Dynamic shared memory of gemm_mma.cu's PRMT-addressed pair table (its
-    kPrmtTable): k = 4 with 8 warps, or on the grouped Hopper path up to
-    GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles; 0 elsewhere."""
-    if k == 4 and (warps == 8 or (wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)):
+    kPrmtTable): k = 4 with 8 warps, or on the Hopper path up to
+    GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
+    GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging); 0 elsewhere."""
+    if k != 4:
+        return 0
+    if warps == 8 or (wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES):
+        return PRMT_TABLE_BYTES
+    if (wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
+            and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES):
         return PRMT_TABLE_BYTES
     return 0
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)

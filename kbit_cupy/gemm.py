@@ -906,6 +906,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
     # swizzle) by the kernel
     if wg:
         shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, dtype.itemsize)
+        shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, wgs, False, 4)
     else:
         shared = 2 * m_tiles * 8 * K_PER_TILE * dtype.itemsize
         shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, 0, False, warps)

@@ -163,6 +163,12 @@ constexpr int kMinCtas =
 // same bits). 128-row problems keep the 32 KB table: with 64 KB their stages
 // no longer fit and the launch took smaller problems, 4.6% slower (Mixtral, T = 512).
 constexpr int kGroupedWgPrmtMaxTiles = 6;
+// The dense Hopper path (k = 4) the same up to KBIT_DENSE_WG_PRMT_MAX_TILES n8
+// tiles (gemm.py adds the 64 KB; _jit.GEMM_DENSE_WG_PRMT_MAX_TILES mirrors it).
+#ifndef KBIT_DENSE_WG_PRMT_MAX_TILES
+#define KBIT_DENSE_WG_PRMT_MAX_TILES 0
+#endif
+constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
@@ -244,7 +250,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // k = 4 with 8 warps, and the grouped Hopper path's problems of up to 48
   // rows (kGroupedWgPrmtMaxTiles): the PRMT-addressed pair table (64 KB,
   // kPrmtTable below) follows the stages, the grouped launch's tables follow it.
-  constexpr bool kPrmtTable = K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles));
+  constexpr bool kPrmtTable =
+      K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
+                 (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
   uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
   int* tile_cum = reinterpret_cast<int*>(prmt_tab + (kPrmtTable ? 256 * 16 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]

@@ -32,6 +32,8 @@ def test_every_variant_compiles_without_spills(arch):
             if r.variant.family == "gemm_mma" and len(args) >= 6 and args[5] > 0:
                 itemsize = 2
                 dynamic = _jit.gemm_wg_shared_bytes(args[3], args[5], itemsize)
+                grouped = len(args) > 6 and bool(args[6])
+                dynamic += _jit.gemm_prmt_table_bytes(args[0], args[3], args[5], grouped, 4)
                 assert r.smem_bytes + dynamic <= 227 * 1024, (r.variant.name, r.smem_bytes, dynamic)
 
 
