@@ -132,7 +132,7 @@ GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Ho
 GEMM_GROUPED_WG_PRMT_MAX_TILES = 6
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
-GEMM_DENSE_WG_PRMT_MAX_TILES = 0
+GEMM_DENSE_WG_PRMT_MAX_TILES = 8
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
 
 

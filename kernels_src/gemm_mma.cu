@@ -166,7 +166,7 @@ constexpr int kGroupedWgPrmtMaxTiles = 6;
 // The dense Hopper path (k = 4) the same up to KBIT_DENSE_WG_PRMT_MAX_TILES n8
 // tiles (gemm.py adds the 64 KB; _jit.GEMM_DENSE_WG_PRMT_MAX_TILES mirrors it).
 #ifndef KBIT_DENSE_WG_PRMT_MAX_TILES
-#define KBIT_DENSE_WG_PRMT_MAX_TILES 0
+#define KBIT_DENSE_WG_PRMT_MAX_TILES 8
 #endif
 constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 

@@ -89,3 +89,19 @@ def test_setmaxnreg_budgets_fit_the_entry_allocation():
             assert 24 <= producer <= 256 and producer % 8 == 0
             assert wgs * consumer + producer <= cap * (wgs + 1)
             assert consumer >= 232, (m_tiles, wgs, consumer)  # 128 accumulators plus decode
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC and CUDA headers not installed")
+@pytest.mark.parametrize("m_tiles", [4, 8, 16])
+def test_dense_hopper_pair_table_where_gemm_py_adds_its_shared_memory(m_tiles):
+    """k = 4 on the dense Hopper path: the kernel reads the 64 KB PRMT table
+    from dynamic shared memory (its 32 KB static pair table gone) exactly for
+    the n8 tiles where gemm.py adds the 64 KB, and the sum fits a CTA."""
+    wgs = _jit.gemm_wg_warpgroups(m_tiles, 4)
+    (res,) = _jit.compile_check(["sm_90a"], [_jit.Variant("gemm_mma", (4, "float16", "uint8",
+                                                                       m_tiles, 1, wgs))])
+    assert res.ok, res.log
+    table = _jit.gemm_prmt_table_bytes(4, m_tiles, wgs, False, 4)
+    assert (res.smem_bytes < 1024) == (table > 0), (m_tiles, res.smem_bytes)
+    assert table == (_jit.PRMT_TABLE_BYTES if m_tiles <= 8 else 0)
+    assert res.smem_bytes + _jit.gemm_wg_shared_bytes(m_tiles, wgs, 2) + table <= 227 * 1024
