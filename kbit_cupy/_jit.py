@@ -128,7 +128,7 @@ GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
 GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Hopper path (sm_90a)
 # k = 4 on that path up to this many n8 tiles: the 64 KB PRMT-addressed pair
-# table in dynamic shared memory (gemm_mma.cu kGroupedWgPrmtMaxTiles)
+# table in dynamic shared memory (gemm_mma.cu KBIT_GROUPED_WG_PRMT_MAX_TILES)
 GEMM_GROUPED_WG_PRMT_MAX_TILES = 6
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)

@@ -162,7 +162,10 @@ constexpr int kMinCtas =
 // configs on the H100, 5-8% on three on the H200 (results/moe_gap_probe_h{100,200}_wg_prmt_9eefc53.txt,
 // same bits). 128-row problems keep the 32 KB table: with 64 KB their stages
 // no longer fit and the launch took smaller problems, 4.6% slower (Mixtral, T = 512).
-constexpr int kGroupedWgPrmtMaxTiles = 6;
+#ifndef KBIT_GROUPED_WG_PRMT_MAX_TILES
+#define KBIT_GROUPED_WG_PRMT_MAX_TILES 6
+#endif
+constexpr int kGroupedWgPrmtMaxTiles = KBIT_GROUPED_WG_PRMT_MAX_TILES;
 // The dense Hopper path (k = 4) the same up to KBIT_DENSE_WG_PRMT_MAX_TILES n8
 // tiles (gemm.py adds the 64 KB; _jit.GEMM_DENSE_WG_PRMT_MAX_TILES mirrors it).
 #ifndef KBIT_DENSE_WG_PRMT_MAX_TILES
