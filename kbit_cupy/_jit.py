@@ -129,7 +129,7 @@ GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (
 GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Hopper path (sm_90a)
 # k = 4 on that path up to this many n8 tiles: the 64 KB PRMT-addressed pair
 # table in dynamic shared memory (gemm_mma.cu KBIT_GROUPED_WG_PRMT_MAX_TILES)
-GEMM_GROUPED_WG_PRMT_MAX_TILES = 6
+GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
 GEMM_DENSE_WG_PRMT_MAX_TILES = 8

@@ -163,7 +163,7 @@ constexpr int kMinCtas =
 // same bits). 128-row problems keep the 32 KB table: with 64 KB their stages
 // no longer fit and the launch took smaller problems, 4.6% slower (Mixtral, T = 512).
 #ifndef KBIT_GROUPED_WG_PRMT_MAX_TILES
-#define KBIT_GROUPED_WG_PRMT_MAX_TILES 6
+#define KBIT_GROUPED_WG_PRMT_MAX_TILES 8
 #endif
 constexpr int kGroupedWgPrmtMaxTiles = KBIT_GROUPED_WG_PRMT_MAX_TILES;
 // The dense Hopper path (k = 4) the same up to KBIT_DENSE_WG_PRMT_MAX_TILES n8
