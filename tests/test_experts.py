@@ -470,6 +470,7 @@ def test_gpu_grouped_128_row_problems_or_smaller_where_shared_memory_ends(E):
     bf16's 1 KB scale table; bf16 computes the scale pair since c32e066.)"""
     import cupy as cp
 
+    from kbit_cupy import _jit
     from kbit_cupy.gemm import has_wgmma
 
     if not has_wgmma():
@@ -486,9 +487,14 @@ def test_gpu_grouped_128_row_problems_or_smaller_where_shared_memory_ends(E):
                            @ to_host(ex.expert(e).dequantize(np.float32)).astype(np.float64).T
                            for e in range(E)])
     assert rel_error(got, want) <= BOUNDS[BFLOAT16]
-    (run,) = ex._plans.values()  # its dynamic shared memory: three stages of a problem's rows
-    stage_rows = (run._launch.shared - 2 * (E + 1) * 4 - 1024) // (3 * 256 * 2)
-    assert stage_rows == (128 if E == 8 else 64)
+    # its dynamic shared memory: three stages of a problem's rows, the problem
+    # tables and (64-row problems) the PRMT-addressed pair table
+    (run,) = ex._plans.values()
+    rows_per_problem = 128 if E == 8 else 64
+    table = _jit.gemm_prmt_table_bytes(4, rows_per_problem // 8, 2, True, 4)
+    assert table == (0 if E == 8 else _jit.PRMT_TABLE_BYTES)
+    stage_rows = (run._launch.shared - 2 * (E + 1) * 4 - 1024 - table) // (3 * 256 * 2)
+    assert stage_rows == rows_per_problem
 
 
 @gpu_test
