@@ -696,6 +696,18 @@ def has_wgmma() -> bool:
 #   at M = 8 and 16 the latency kernel is faster (1.2-1.5x), at M = 128 it won
 #   on two of the three layers only and by 5-12%, at 256 it lost. On 4096x4096
 #   it lost at every M (0.34-0.71x auto): not on "mid" layers.
+# - min_tbps (sm_90, k = 4, M = 9..16 on the large layers): the GPU's peak
+#   memory bandwidth from its properties (_device_tbps). Since the dense
+#   Hopper path reads k = 4's pair table through PRMT (2414541), wgmma beats
+#   mma there where the weight is large enough for the GPU's bandwidth
+#   (results/mma_vs_wgmma_k4_m*_h{100,200}_bc79e7a.md, eager, fp16 and bf16):
+#   H200 (4.8 TB/s) 8192x57344 and 28672x8192 8-11% less time, 4096x28672
+#   3-5%, 14336x4096 0.6-2.5% more; H100 (3.35 TB/s) 8192x57344 4-6% less
+#   (bf16 3.6-5.7%), 28672x8192 -2..+0.4%, 4096x28672 within +-2% (bf16 mma
+#   2% faster), 14336x4096 1-5% more. So wgmma from M = 9 from 2^28 weights,
+#   and from 2^26 at 4 TB/s or more; at M <= 8 mma (the 8-warp launch) wins
+#   by 2-8% on both. bf16 k = 4 below those sizes now stays on mma to 16
+#   (its 09ff1ea bound of 8 predates both kernels).
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -716,16 +728,21 @@ class DispatchRule:
     max_weights: int | None = None  # exclusive
     lat_max: int = 0  # up to this many rows: the latency kernel (before mma)
     cl_max: int = 0  # then up to this many rows: the cluster split (sm_90; before mma)
+    min_tbps: float = 0.0  # the GPU's peak memory bandwidth (TB/s, _device_tbps) at least
 
 
 _HUGE = 1 << 27  # weights
+_FAST_TBPS = 4.0  # peak memory bandwidth (TB/s) from which the H200's rows apply (H100: 3.35)
 _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layers
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
     DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
-    DispatchRule(True, "large", 8, 1024, ks=(2, 4), fp16=False, min_weights=_HUGE),
-    DispatchRule(True, "large", 8, 512, ks=(2, 4), fp16=False),
+    DispatchRule(True, "large", 8, 1024, ks=(4,), min_weights=_HUGE, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, 512, ks=(4,), min_weights=1 << 26, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, 1024, ks=(4,), min_weights=1 << 28),
+    DispatchRule(True, "large", 8, 1024, ks=(2,), fp16=False, min_weights=_HUGE),
+    DispatchRule(True, "large", 8, 512, ks=(2,), fp16=False),
     DispatchRule(True, "large", 16, 1024, ks=(2, 3, 4), min_weights=_HUGE),
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512),
@@ -755,11 +772,13 @@ def _layer_class(N: int, K_dim: int, k: int, wgmma: bool) -> str:
 
 
 @functools.cache
-def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int, int, int, int]:
-    """(lat_max, cl_max, mma_max, wg_max) from the first DISPATCH_TABLE row that matches."""
+def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool,
+              tbps: float = 0.0) -> tuple[int, int, int, int]:
+    """(lat_max, cl_max, mma_max, wg_max) from the first DISPATCH_TABLE row that
+    matches (``tbps``: the GPU's peak memory bandwidth, TB/s)."""
     layer, weights = _layer_class(N, K_dim, k, wgmma), N * K_dim
     for rule in DISPATCH_TABLE:
-        if (rule.wgmma == wgmma and rule.layer == layer
+        if (rule.wgmma == wgmma and rule.layer == layer and tbps >= rule.min_tbps
                 and (rule.ks is None or k in rule.ks)
                 and (rule.fp16 is None or rule.fp16 == fp16)
                 and weights >= rule.min_weights
@@ -768,17 +787,23 @@ def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool) -> tuple[int,
     raise AssertionError(f"no dispatch rule for {N}x{K_dim} k={k}")  # the table covers all
 
 
-def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None) -> str:
+def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None,
+                  tbps: float | None = None) -> str:
     """The kernel ``kernel="auto"`` runs for these sizes ("latency", "cluster",
     "mma", "wgmma" or "dequant"), from ``DISPATCH_TABLE``. (A "cluster" pick
     runs mma where the GPU or its driver cannot launch clusters.)
 
     ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
-    current device (False without a GPU).
+    current device (False without a GPU). ``tbps``: the GPU's peak memory
+    bandwidth in TB/s; None asks the current device (0 without a GPU, which
+    takes the rows that need no bandwidth).
     """
     if wgmma is None:
         wgmma = _device_has_wgmma()
-    lat_max, cl_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma))
+    if tbps is None:
+        tbps = _device_tbps()
+    lat_max, cl_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma),
+                                                 float(tbps))
     # The latency kernel only in one launch: it stages whole rows of A, so
     # long rows take fewer per launch, and two launches cost twice one (H100,
     # 5120x5120 k=2 bf16 at M = 8, 6 rows per launch: 22.5 us against mma's
@@ -802,6 +827,23 @@ def _device_has_wgmma() -> bool:
         return has_wgmma()
     except Exception:  # noqa: BLE001 - no CuPy or no GPU: the question is moot
         return False
+
+
+def device_tbps() -> float:
+    """The current GPU's peak memory bandwidth in TB/s, from its properties:
+    memory clock (kHz) x bus width (bits) x 2 (double data rate) / 8. H100 SXM
+    3.35, H200 4.8. 0.0 where the GPU does not report them."""
+    attrs = _attributes()
+    clock_khz = int(attrs.get("MemoryClockRate", 0) or 0)
+    bus_bits = int(attrs.get("GlobalMemoryBusWidth", 0) or 0)
+    return round(clock_khz * 1e3 * bus_bits / 8 * 2 / 1e12, 2)
+
+
+def _device_tbps() -> float:
+    try:
+        return device_tbps()
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU: the rows that need no bandwidth
+        return 0.0
 
 
 _resident_cache: dict[tuple[object, int], int] = {}  # (kernel, dynamic shared) -> CTAs per SM

@@ -247,6 +247,38 @@ def test_eight_warp_mma_launch(monkeypatch, dtype, split):
         monkeypatch.setattr(gemm, "_WIDE_WARPS", 8)
 
 
+def test_dispatch_keys_on_this_gpus_bandwidth():
+    """kernel="auto" reads the GPU's peak memory bandwidth from its properties
+    (H100 SXM 3.35 TB/s, H200 4.8) and picks the rows it keys: k = 4 at M = 12
+    on 4096x28672 runs wgmma at 4 TB/s or more, mma below; auto gives the
+    bits of the kernel it picks, again on a second call."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    needs_kernel("wgmma")
+    tbps = gemm.device_tbps()
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    if "H200" in name:
+        assert 4.5 <= tbps <= 5.2, (name, tbps)
+    elif "H100" in name and "HBM3" in name:
+        assert 3.0 <= tbps < 4.0, (name, tbps)
+    else:
+        assert tbps >= 0.0
+    expected = "wgmma" if tbps >= gemm._FAST_TBPS else "mma"
+    N, K_dim, M = 28672, 4096, 12
+    assert gemm.choose_kernel(M, N, K_dim, 4, np.float16) == expected
+    rng = cp.random.default_rng(0)
+    W = rng.standard_normal((N, K_dim), dtype=cp.float32).astype(cp.float16)
+    w = quantize_weight(W, k=4)
+    A = rng.standard_normal((M, K_dim), dtype=cp.float32).astype(cp.float16)
+    picked = kbit_gemm(A, w, kernel=expected)
+    for _ in range(2):
+        auto = kbit_gemm(A, w)
+        assert (auto.view(cp.uint16) == picked.view(cp.uint16)).all()
+
+
 def test_wgmma_refused_off_sm90():
     import cupy as cp
 

@@ -252,7 +252,8 @@ def gpu_info(device_id: int | None = None) -> dict[str, Any]:
     Keys: ``gpu`` (name), ``cc`` (e.g. ``"sm_90"``), ``sm_count``,
     ``l2_bytes``, ``mem_bytes``, ``driver_version``, ``cuda_runtime_version``,
     ``cupy_version``, ``nvrtc_version``, ``date`` (UTC ISO 8601), ``commit``
-    (``git_commit()``) and ``git_dirty``. Never raises: fields that cannot be
+    (``git_commit()``), ``git_dirty`` and, where the GPU reports it,
+    ``peak_TB_s`` (memory clock x bus width). Never raises: fields that cannot be
     read (e.g. no GPU on this machine) read ``"unknown"`` / ``None`` and
     ``gpu`` reads ``"unavailable"``.
     """
@@ -297,6 +298,10 @@ def gpu_info(device_id: int | None = None) -> dict[str, Any]:
         info["l2_bytes"] = int(props["l2CacheSize"])
         info["mem_bytes"] = int(props["totalGlobalMem"])
         info["device_id"] = dev
+        with contextlib.suppress(Exception), cp.cuda.Device(dev):  # kernel="auto" keys rows on it
+            from ..gemm import device_tbps
+
+            info["peak_TB_s"] = device_tbps()
     except Exception as e:  # noqa: BLE001
         info["gpu_error"] = f"{type(e).__name__}: {e}"
     return info
