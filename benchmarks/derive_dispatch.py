@@ -30,7 +30,8 @@ for path in sys.argv[1:]:
     layers = sorted({(p[0], p[1], p[3], p[4]) for p in points})
     has_wg = any(key[5] == "wgmma" for key in times)
     for wg in (False, True) if has_wg else (False,):
-        kernels = ("mma", "wgmma", "dequant") if wg else ("mma", "dequant")
+        kernels = tuple(kern for kern in (("mma", "wgmma", "dequant") if wg else ("mma", "dequant"))
+                        if any(key[5] == kern for key in times))  # those the sweep timed
         print(f"== {'sm_90 (mma, wgmma, dequant)' if wg else 'other GPUs (mma, dequant)'}")
         for K_dim, N, k, dtype in layers:
             ms = sorted(p[2] for p in points if p[:2] == (K_dim, N) and p[3:] == (k, dtype))
