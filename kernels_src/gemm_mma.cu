@@ -158,16 +158,20 @@ constexpr int kMinCtas =
 // (gemm.py and experts.py size the table's shared memory by _jit.gemm_prmt_table_bytes.)
 // The grouped Hopper path (k = 4) reads its pair table through PRMT as the
 // 8-warp launch does (64 KB in the dynamic shared memory, experts.py adds it)
-// for problems of up to 48 rows: 4-6% less time at T = 128 and 512 on five
+// for problems of up to 64 rows: 4-6% less time at T = 128 and 512 on five
 // configs on the H100, 5-8% on three on the H200 (results/moe_gap_probe_h{100,200}_wg_prmt_9eefc53.txt,
-// same bits). 128-row problems keep the 32 KB table: with 64 KB their stages
-// no longer fit and the launch took smaller problems, 4.6% slower (Mixtral, T = 512).
+// same bits; 64-row problems 3-5% on both, moe_gap_probe_h{100,200}_grouped_wg_prmt8_*.txt).
+// 128-row problems keep the 32 KB table: with 64 KB their stages no longer
+// fit and the launch took smaller problems, 4.6% slower (Mixtral, T = 512).
 #ifndef KBIT_GROUPED_WG_PRMT_MAX_TILES
 #define KBIT_GROUPED_WG_PRMT_MAX_TILES 8
 #endif
 constexpr int kGroupedWgPrmtMaxTiles = KBIT_GROUPED_WG_PRMT_MAX_TILES;
 // The dense Hopper path (k = 4) the same up to KBIT_DENSE_WG_PRMT_MAX_TILES n8
-// tiles (gemm.py adds the 64 KB; _jit.GEMM_DENSE_WG_PRMT_MAX_TILES mirrors it).
+// tiles (gemm.py adds the 64 KB; _jit.GEMM_DENSE_WG_PRMT_MAX_TILES mirrors it):
+// M = 17..64 3-9% less time on four large layers on both GPUs, same bits
+// (results/define_ab_h200_dense_wg_prmt_*_7477c30.txt, define_ab_h100_dense_wg_prmt_off_*_2414541.txt).
+// At 16 n8 tiles three 64 KB stages leave no room for it.
 #ifndef KBIT_DENSE_WG_PRMT_MAX_TILES
 #define KBIT_DENSE_WG_PRMT_MAX_TILES 8
 #endif
@@ -250,9 +254,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // (gemm.py's 1 KB of alignment slack covers the shift).
   const int x_align =
       WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
-  // k = 4 with 8 warps, and the grouped Hopper path's problems of up to 48
-  // rows (kGroupedWgPrmtMaxTiles): the PRMT-addressed pair table (64 KB,
-  // kPrmtTable below) follows the stages, the grouped launch's tables follow it.
+  // k = 4 with 8 warps, and the Hopper path up to 64 rows (kGroupedWgPrmtMaxTiles,
+  // kDenseWgPrmtMaxTiles): the PRMT-addressed pair table (64 KB, kPrmtTable
+  // below) follows the stages, the grouped launch's tables follow it.
   constexpr bool kPrmtTable =
       K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
                  (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
