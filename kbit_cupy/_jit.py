@@ -133,6 +133,7 @@ GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
 GEMM_DENSE_WG_PRMT_MAX_TILES = 8
+GEMM_K2_QUAD_TABLE = 0  # gemm_mma.cu KBIT_K2_QUAD_TABLE (experiment): k = 2's 64 KB table there
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
 
 
@@ -141,6 +142,9 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
     kPrmtTable): k = 4 with 8 warps, or on the Hopper path up to
     GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
     GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging); 0 elsewhere."""
+    if k == 2 and GEMM_K2_QUAD_TABLE and wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES \
+            and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES:
+        return PRMT_TABLE_BYTES
     if k != 4:
         return 0
     if warps == 8 or (wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES):

@@ -176,6 +176,14 @@ constexpr int kGroupedWgPrmtMaxTiles = KBIT_GROUPED_WG_PRMT_MAX_TILES;
 #define KBIT_DENSE_WG_PRMT_MAX_TILES 8
 #endif
 constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
+// KBIT_K2_QUAD_TABLE=1 (experiment, default off): k = 2 on the dense Hopper path
+// up to kDenseWgPrmtMaxTiles n8 tiles looks up a byte of the index string (two
+// pairs) in a 64 KB table ([256 bytes][32 lanes] of two pairs) at the place of
+// the PRMT table: one PRMT and one 8-byte load per two pairs instead of two
+// shifts and two shuffles (gemm.py adds the 64 KB where _jit.GEMM_K2_QUAD_TABLE).
+#ifndef KBIT_K2_QUAD_TABLE
+#define KBIT_K2_QUAD_TABLE 0
+#endif
 
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
@@ -260,8 +268,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr bool kPrmtTable =
       K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
                  (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
+  constexpr bool kQuadTable = K == 2 && KBIT_K2_QUAD_TABLE && WG && !GROUPED && !kSlab &&
+                              M_TILES <= kDenseWgPrmtMaxTiles;
   uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
-  int* tile_cum = reinterpret_cast<int*>(prmt_tab + (kPrmtTable ? 256 * 16 : 0));  // [experts + 1]
+  int* tile_cum = reinterpret_cast<int*>(prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
   // route_ids: the ids (M) and the sorted order (M) follow
   int* route_id = row_start + experts + 1;
@@ -609,7 +619,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr bool kPairTable = !kPrmtTable && (K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1))));
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
-  if constexpr (kPrmtTable) {
+  if constexpr (kQuadTable) {  // entry (byte v, lane l) at 256 v + 8 l: pairs v & 15, v >> 4
+    for (int i0 = warp * 32; i0 < 256 * 16; i0 += blockDim.x) {
+      const int i = i0 + lane, v = i >> 4;
+      const unsigned lo = __shfl_sync(kFullMask, cb_pair, v & 15), hi = __shfl_sync(kFullMask, cb_pair, v >> 4);
+      prmt_tab[i] = make_uint4(lo, hi, lo, hi);
+    }
+  } else if constexpr (kPrmtTable) {
     for (int i0 = warp * 32; i0 < 256 * 8; i0 += blockDim.x) {
       const int i = i0 + lane, b = i >> 3;
       const unsigned v = (__shfl_sync(kFullMask, cb, b & 15) & 0xffffu) | (__shfl_sync(kFullMask, cb, b >> 4) << 16);
@@ -957,10 +973,18 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           // (scale, scale) of row g + 8h, block j
           const unsigned sp = kScaleAfter ? 0u :
               block_scale_pair<T, TScale, kAluScale>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
+          uint2 quad = make_uint2(0u, 0u);
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
             unsigned pair;
-            if constexpr (kPrmtTable) {  // pair p of word 2j + h: its byte p
+            if constexpr (kQuadTable) {  // pairs 2q, 2q + 1 of row half h: byte 2h + q of word j
+              if ((p & 1) == 0) {
+                quad = *reinterpret_cast<const uint2*>(
+                    reinterpret_cast<const char*>(prmt_tab) +
+                    __byte_perm(w[r][j], lane4 << 1, 0x5504u | (unsigned)((2 * h + (p >> 1)) << 4)));
+              }
+              pair = (p & 1) ? quad.y : quad.x;
+            } else if constexpr (kPrmtTable) {  // pair p of word 2j + h: its byte p
               pair = *reinterpret_cast<const unsigned*>(
                   reinterpret_cast<const char*>(prmt_tab) +
                   __byte_perm(w[r][2 * j + h], lane4, 0x5504u | (unsigned)(p << 4)));
