@@ -169,7 +169,7 @@ constexpr int kMinCtas =
 constexpr int kGroupedWgPrmtMaxTiles = KBIT_GROUPED_WG_PRMT_MAX_TILES;
 // The dense Hopper path (k = 4) the same up to KBIT_DENSE_WG_PRMT_MAX_TILES n8
 // tiles (gemm.py adds the 64 KB; _jit.GEMM_DENSE_WG_PRMT_MAX_TILES mirrors it):
-// M = 17..64 3-9% less time on four large layers on both GPUs, same bits
+// M = 17..64 3-8% less time on four large layers on both GPUs, same bits
 // (results/define_ab_h200_dense_wg_prmt_*_7477c30.txt, define_ab_h100_dense_wg_prmt_off_*_2414541.txt).
 // At 16 n8 tiles three 64 KB stages leave no room for it.
 #ifndef KBIT_DENSE_WG_PRMT_MAX_TILES
