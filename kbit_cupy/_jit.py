@@ -141,16 +141,12 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
     """Dynamic shared memory of gemm_mma.cu's PRMT-addressed pair table (its
     kPrmtTable): k = 4 with 8 warps, or on the Hopper path up to
     GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
-    GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging); 0 elsewhere."""
-    if k == 2 and GEMM_K2_QUAD_TABLE and wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES \
-            and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES:
-        return PRMT_TABLE_BYTES
-    if k != 4:
-        return 0
-    if warps == 8 or (wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES):
-        return PRMT_TABLE_BYTES
-    if (wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
-            and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES):
+    GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging), and k = 2's byte
+    table where GEMM_K2_QUAD_TABLE (the dense places only); 0 elsewhere."""
+    dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
+                    and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)
+    grouped_wg = bool(wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
+    if (k == 4 and (warps == 8 or grouped_wg or dense_wg)) or (k == 2 and GEMM_K2_QUAD_TABLE and dense_wg):
         return PRMT_TABLE_BYTES
     return 0
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)

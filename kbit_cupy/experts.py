@@ -585,8 +585,8 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
         if not wide:
             kern = _jit.get_kernel("gemm_mma", experts.k, dtype.name, experts.absmax.dtype.name,
                                    m_tiles, 1, wgs, True)
-        shared += _jit.gemm_prmt_table_bytes(experts.k, m_tiles, wgs, True,
-                                             _GROUPED_WIDE_WARPS if wide else 4)
+            table = _jit.gemm_prmt_table_bytes(experts.k, m_tiles, wgs, True, 4)
+        shared += table
         smaller = tuple(t for t in choices if t < m_tiles)
         if not wg or kern.shared_size_bytes + shared <= limit or not smaller:
             break
