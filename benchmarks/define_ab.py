@@ -3,7 +3,7 @@
 usage: python benchmarks/define_ab.py --define KBIT_L2_PREFETCH=1 [--define ...]
        (or --define gemm._LATENCY_SPLIT=2: a module attribute of kbit_cupy, set while
        the variant's launch plans are made)
-       [--layers 4096x28672 ...] [--m 1 16] [--k 4] [--kernel auto] [--dtype float16]
+       [--layers 4096x28672 ...] [--m 1 16] [--k 4] [--kernel auto [mma ...]] [--dtype float16]
 
 Each variant is the package's own kernels compiled with extra ``-D`` options
 (kernels_src read them, for instance mma_common.cuh's KBIT_WEIGHT_L2_HINT),
@@ -62,7 +62,7 @@ def module_attributes(values: dict):
             setattr(mod, attr, value)
 
 
-def kbit_variant(W, k: int, defines: dict, As, kernel: str = "auto"):
+def kbit_variant(W, k: int, defines: dict, As, kernels=("auto",)):
     """A prepared weight whose kernels are compiled with ``-DNAME=VALUE`` for
     each of ``defines``; its launch plans for each A in ``As`` are made here,
     on the harness stream (plans are per stream), with those kernels. A name
@@ -75,7 +75,8 @@ def kbit_variant(W, k: int, defines: dict, As, kernel: str = "auto"):
         cp.cuda.Device().synchronize()
         with bench._bench_stream():
             for A in As:
-                kc.kbit_gemm(A, w, kernel=kernel)
+                for kernel in kernels:
+                    kc.kbit_gemm(A, w, kernel=kernel)
         cp.cuda.Device().synchronize()
         return w
 
@@ -87,7 +88,8 @@ def main() -> int:
     p.add_argument("--layers", nargs="+", default=["4096x28672", "14336x4096", "8192x57344"])
     p.add_argument("--m", nargs="+", type=int, default=[1, 16])
     p.add_argument("--k", nargs="+", type=int, default=[4])
-    p.add_argument("--kernel", default="auto")
+    p.add_argument("--kernel", nargs="+", default=["auto"],
+                   help="one line per kernel; every kernel's bits compared with the default build's")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
@@ -96,7 +98,8 @@ def main() -> int:
         variants[spec] = dict(kv.split("=") for kv in spec.split(","))
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
     info = bench.gpu_info()
-    print(f"{info['gpu']}  commit {info.get('commit')}  kernel {args.kernel}  {args.dtype}", flush=True)
+    print(f"{info['gpu']}  commit {info.get('commit')}  kernel {' '.join(args.kernel)}  {args.dtype}",
+          flush=True)
     for layer in args.layers:
         K_dim, N = (int(v) for v in layer.lower().split("x"))
         rng = cp.random.default_rng(0)
@@ -111,22 +114,24 @@ def main() -> int:
                     _launch.cublas_gemm(m, N, K_dim, "float16", A16.data.ptr, W.data.ptr, c16.data.ptr,
                                         cp.cuda.get_current_stream().ptr)
                 t_c = bench.time_graph(cublas, reps=args.reps)["median_us"]
-                line, ref = f"{layer:>11s} M={m:<3d} k={k} cuBLAS {t_c:8.2f}", None
-                t0 = None
-                for name, w in ws.items():
-                    out = cp.empty((m, N), dtype)
-                    op = lambda A=A, w=w, out=out: kc.kbit_gemm(A, w, out=out, kernel=args.kernel)
-                    t = bench.time_graph(op, reps=args.reps)["median_us"]
-                    with bench._bench_stream():
-                        got = op().copy()
-                    cp.cuda.Device().synchronize()
-                    same = ""
-                    if ref is None:
-                        ref, t0 = got, t
-                    elif not bool((got.view(cp.uint16) == ref.view(cp.uint16)).all()):
-                        same = " DIFFERENT bits"
-                    line += f"  {name} {t:8.2f} ({t_c / t:4.2f}x, {t0 / t:5.3f}){same}"
-                print(line, flush=True)
+                for kernel in args.kernel:
+                    head = f" {kernel}" if len(args.kernel) > 1 else ""
+                    line, ref = f"{layer:>11s} M={m:<3d} k={k}{head} cuBLAS {t_c:8.2f}", None
+                    t0 = None
+                    for name, w in ws.items():
+                        out = cp.empty((m, N), dtype)
+                        op = lambda A=A, w=w, out=out, kernel=kernel: kc.kbit_gemm(A, w, out=out, kernel=kernel)
+                        t = bench.time_graph(op, reps=args.reps)["median_us"]
+                        with bench._bench_stream():
+                            got = op().copy()
+                        cp.cuda.Device().synchronize()
+                        same = ""
+                        if ref is None:
+                            ref, t0 = got, t
+                        elif not bool((got.view(cp.uint16) == ref.view(cp.uint16)).all()):
+                            same = " DIFFERENT bits"
+                        line += f"  {name} {t:8.2f} ({t_c / t:4.2f}x, {t0 / t:5.3f}){same}"
+                    print(line, flush=True)
             del ws
         cp.get_default_memory_pool().free_all_blocks()
     return 0

@@ -103,7 +103,8 @@ def all_variants() -> list[Variant]:
                     for m_tiles in GEMM_M_TILES:
                         for rpw in (1, 2) if m_tiles >= 4 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, rpw)))
-                    if k == 4 and scale == "uint8":  # 8 warps per CTA (gemm.py _mma_warps)
+                    if (k == 4 or (k == 2 and GEMM_K2_QUAD_TABLE)) and scale == "uint8":
+                        # 8 warps per CTA (gemm.py _mma_warps)
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
                     for m_tiles in gemm_wg_m_tiles(k, scale):
                         wgs = gemm_wg_warpgroups(m_tiles, k)
@@ -142,11 +143,15 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
     kPrmtTable): k = 4 with 8 warps, or on the Hopper path up to
     GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
     GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging), and k = 2's byte
-    table where GEMM_K2_QUAD_TABLE (the dense places only); 0 elsewhere."""
+    table where GEMM_K2_QUAD_TABLE (dense: the Hopper path's places and the
+    8-warp mma launch); 0 elsewhere."""
     dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
                     and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)
     grouped_wg = bool(wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
-    if (k == 4 and (warps == 8 or grouped_wg or dense_wg)) or (k == 2 and GEMM_K2_QUAD_TABLE and dense_wg):
+    wide = warps == 8 and not grouped
+    if k == 4 and (warps == 8 or grouped_wg or dense_wg):
+        return PRMT_TABLE_BYTES
+    if k == 2 and GEMM_K2_QUAD_TABLE and (dense_wg or wide):
         return PRMT_TABLE_BYTES
     return 0
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)

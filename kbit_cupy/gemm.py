@@ -915,7 +915,8 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     0..+4% (14336x4096 at M = 1 -0.4%); on 5120x5120 and 4096x6144 4-14% slower
     on both, and k = 3 loses on 4096x28672: not taken there. Not measured
     without wgmma (sm_80): 4."""
-    if (_WIDE_WARPS and k == 4 and np.dtype(scale_dtype) == np.uint8 and m_tiles == 1
+    if (_WIDE_WARPS and (k == 4 or (k == 2 and _jit.GEMM_K2_QUAD_TABLE))
+            and np.dtype(scale_dtype) == np.uint8 and m_tiles == 1
             and per_warp == 1 and has_wgmma() and _layer_class(N, K_dim, k, True) == "large"):
         return _WIDE_WARPS
     return _WARPS

@@ -268,8 +268,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr bool kPrmtTable =
       K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
                  (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
-  constexpr bool kQuadTable = K == 2 && KBIT_K2_QUAD_TABLE && WG && !GROUPED && !kSlab &&
-                              M_TILES <= kDenseWgPrmtMaxTiles;
+  constexpr bool kQuadTable = K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
+                              ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles) || (!WG && WARPS == 8));
   uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
   int* tile_cum = reinterpret_cast<int*>(prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
