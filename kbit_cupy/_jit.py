@@ -134,7 +134,7 @@ GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
 GEMM_DENSE_WG_PRMT_MAX_TILES = 8
-GEMM_K2_QUAD_TABLE = 0  # gemm_mma.cu KBIT_K2_QUAD_TABLE (experiment): k = 2's 64 KB table there
+GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
 
 

@@ -708,6 +708,13 @@ def has_wgmma() -> bool:
 #   and from 2^26 at 4 TB/s or more; at M <= 8 mma (the 8-warp launch) wins
 #   by 2-8% on both. bf16 k = 4 below those sizes now stays on mma to 16
 #   (its 09ff1ea bound of 8 predates both kernels).
+# - k = 2 at M = 9..16 on the large layers (fp16; bf16 took wgmma from 9
+#   already): since k = 2's byte table (gemm_mma.cu KBIT_K2_QUAD_TABLE) the
+#   dense Hopper path beats mma there from 2^26 weights on both GPUs, in one
+#   process (results/define_ab_h{100,200}_k2_quad_table_*.txt): H100 wgmma over
+#   mma 0.92 / 0.90 on 8192x57344 (M = 9 / 16), 0.95 / 0.95 on 4096x28672, but
+#   1.03 / 1.02 on 14336x4096 (under 2^26); H200 0.91 / 0.90, 0.95 / 0.95, 1.03
+#   / 1.02. So mma to 8 rows from 2^26 weights, then wgmma.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -737,13 +744,13 @@ _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layer
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
-    DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
+    DispatchRule(True, "large", 8, 512, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
     DispatchRule(True, "large", 8, 1024, ks=(4,), min_weights=_HUGE, min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 8, 512, ks=(4,), min_weights=1 << 26, min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 8, 1024, ks=(4,), min_weights=1 << 28),
-    DispatchRule(True, "large", 8, 1024, ks=(2,), fp16=False, min_weights=_HUGE),
+    DispatchRule(True, "large", 8, 1024, ks=(2,), min_weights=_HUGE),
     DispatchRule(True, "large", 8, 512, ks=(2,), fp16=False),
-    DispatchRule(True, "large", 16, 1024, ks=(2, 3, 4), min_weights=_HUGE),
+    DispatchRule(True, "large", 16, 1024, ks=(3, 4), min_weights=_HUGE),
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512),
     DispatchRule(True, "mid", 64, 256, ks=(2,), lat_max=8),
@@ -914,12 +921,23 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     4, 8): H200 8192x57344 +1..6%, 4096x28672 +3..6%, 14336x4096 +2..6.5%; H100
     0..+4% (14336x4096 at M = 1 -0.4%); on 5120x5120 and 4096x6144 4-14% slower
     on both, and k = 3 loses on 4096x28672: not taken there. Not measured
-    without wgmma (sm_80): 4."""
-    if (_WIDE_WARPS and (k == 4 or (k == 2 and _jit.GEMM_K2_QUAD_TABLE))
-            and np.dtype(scale_dtype) == np.uint8 and m_tiles == 1
-            and per_warp == 1 and has_wgmma() and _layer_class(N, K_dim, k, True) == "large"):
+    without wgmma (sm_80): 4.
+
+    k = 2 the same with its byte table (_jit.GEMM_K2_QUAD_TABLE) where K_dim >=
+    _K2_WIDE_MIN_K_DIM: at M = 1..8 against 4 warps without the table
+    (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt) H100 8192x57344 2-5%,
+    14336x4096 5-6% less time, H200 those 3-7.5% and 28672x8192 1-4%; on
+    4096x28672 (16 K tiles) 2-4.5% more on both."""
+    if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8 and m_tiles == 1 and per_warp == 1):
+        return _WARPS
+    if k == 2 and not (_jit.GEMM_K2_QUAD_TABLE and K_dim >= _K2_WIDE_MIN_K_DIM):
+        return _WARPS
+    if k in (2, 4) and has_wgmma() and _layer_class(N, K_dim, k, True) == "large":
         return _WIDE_WARPS
     return _WARPS
+
+
+_K2_WIDE_MIN_K_DIM = 8192  # k = 2's 8-warp launch from this K_dim (see _mma_warps)
 
 
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):

@@ -176,13 +176,19 @@ constexpr int kGroupedWgPrmtMaxTiles = KBIT_GROUPED_WG_PRMT_MAX_TILES;
 #define KBIT_DENSE_WG_PRMT_MAX_TILES 8
 #endif
 constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
-// KBIT_K2_QUAD_TABLE=1 (experiment, default off): k = 2 on the dense Hopper path
-// up to kDenseWgPrmtMaxTiles n8 tiles looks up a byte of the index string (two
-// pairs) in a 64 KB table ([256 bytes][32 lanes] of two pairs) at the place of
-// the PRMT table: one PRMT and one 8-byte load per two pairs instead of two
-// shifts and two shuffles (gemm.py adds the 64 KB where _jit.GEMM_K2_QUAD_TABLE).
+// k = 2 on the dense Hopper path up to kDenseWgPrmtMaxTiles n8 tiles and on
+// the 8-warp mma launch looks up a byte of the index string (two pairs) in a
+// 64 KB table ([256 bytes][32 lanes] of two pairs) at the place of the PRMT
+// table: one PRMT and one 8-byte load per two pairs instead of two shifts and
+// two shuffles (gemm.py adds the 64 KB where _jit.GEMM_K2_QUAD_TABLE; 0 here
+// and there: the shuffle decode, for A/B runs). In one process, same bits:
+// wgmma at M = 1..32 5-10% less time on three large layers on both GPUs (M =
+// 64 within 1.2%; results/define_ab_h{100,200}_k2_quad_table_*.txt); the
+// 8-warp mma launch with it, against 4 warps without, M = 1..8: 1-7.5% less
+// on the layers with K_dim >= 8192, 2-4.5% more on 4096x28672, where gemm.py
+// keeps 4 warps (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt).
 #ifndef KBIT_K2_QUAD_TABLE
-#define KBIT_K2_QUAD_TABLE 0
+#define KBIT_K2_QUAD_TABLE 1
 #endif
 
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>

@@ -146,7 +146,7 @@ def test_auto_dispatch_against_the_committed_sweep(wgmma):
         for K_dim, N, M, k, dtype, kernel in times:
             if kernel != "mma":
                 continue
-            if _k4_rows_of_bc79e7a(M, N, K_dim, k, wgmma):  # kernels since changed there
+            if _rows_decided_since(M, N, K_dim, k, wgmma):  # kernels since changed there
                 continue
             t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in kernels}
             chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=wgmma, tbps=3.35)
@@ -171,13 +171,15 @@ def _committed_runs(pattern: str) -> list[dict]:
 
 def _newest_latency_run(gpu: str) -> dict:
     """The newest committed run of benchmarks/latency_kernel.py on ``gpu``
-    ("h100", "h200") over several layers, by the date it records (runs of
+    ("h100", "h200") over the most layers, by the date it records (runs of
     older kernels measured other kernels: 1bcd642 gave every weight load an L2
-    policy), with the points of later runs of single layers in place of its
-    own (5120x5120 at cf93bb9, measured twice)."""
+    policy), with the points of later runs of fewer layers or bit widths in
+    place of its own (5120x5120 at cf93bb9, measured twice; k = 2 on the large
+    layers since its byte table)."""
     runs = sorted(_committed_runs(f"latency_{gpu}_*.json"), key=lambda run: run["meta"]["date"])
     layers = [{(r["K_dim"], r["N"]) for r in run["records"]} for run in runs]
-    base = max(i for i, run_layers in enumerate(layers) if len(run_layers) > 1)
+    widest = max(len(run_layers) for run_layers in layers)
+    base = max(i for i, run_layers in enumerate(layers) if len(run_layers) == widest)
     points = {}
     for run in runs[base:]:
         for r in run["records"]:
@@ -197,7 +199,7 @@ def _dispatch_against_run(run: dict, tbps: float) -> tuple[float, int]:
     for K_dim, N, M, k, dtype, kernel in times:
         if kernel != "mma":
             continue
-        if _k4_rows_of_bc79e7a(M, N, K_dim, k, True):  # kernels since changed there
+        if _rows_decided_since(M, N, K_dim, k, True):  # kernels since changed there
             continue
         t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "latency", "wgmma")
              if (K_dim, N, M, k, dtype, kern) in times}
@@ -537,10 +539,13 @@ def _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma):
     return "mma" if M <= limit else "dequant"
 
 
-def _k4_rows_of_bc79e7a(M, N, K_dim, k, wgmma) -> bool:
-    """The points the bandwidth-keyed k = 4 rows decide (sm_90, large layers,
-    M = 9..16), measured again at bc79e7a (test_k4_dispatch_at_9_to_16_rows_...)."""
-    return wgmma and k == 4 and 8 < M <= 16 and (N >= 16384 or K_dim >= 8192)
+def _rows_decided_since(M, N, K_dim, k, wgmma) -> bool:
+    """The points the rows added since the older runs decide (sm_90, large
+    layers, M = 9..16), with runs of their own: k = 4 keyed by bandwidth,
+    measured again at bc79e7a (test_k4_dispatch_at_9_to_16_rows_...), and k = 2
+    from 2^26 weights since its byte table (test_k2_dispatch_at_9_to_16_rows_...)."""
+    large = wgmma and 8 < M <= 16 and (N >= 16384 or K_dim >= 8192)
+    return large and (k == 4 or (k == 2 and N * K_dim >= 1 << 26))
 
 
 def test_dispatch_table_chooses_what_the_constants_chose():
@@ -555,7 +560,7 @@ def test_dispatch_table_chooses_what_the_constants_chose():
         for M in Ms:
             chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=wgmma, tbps=3.35)
             before = _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma)
-            if _k4_rows_of_bc79e7a(M, N, K_dim, k, wgmma):  # rows added since: their own tests
+            if _rows_decided_since(M, N, K_dim, k, wgmma):  # rows added since: their own tests
                 continue
             # the latency kernel and the cluster split (added after the
             # constants) take over from mma only

@@ -227,8 +227,8 @@ def test_both_work_splits(monkeypatch, kernel, split, M):
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
-    """k = 4 (and k = 2 with its byte table, _jit.GEMM_K2_QUAD_TABLE), E4M4,
-    M <= 8 on a large layer: 8 warps per CTA (gemm.py _mma_warps) over row
+    """k = 4 (and k = 2 with its byte table, _jit.GEMM_K2_QUAD_TABLE, where
+    K_dim >= 8192), E4M4, M <= 8 on a large layer: 8 warps per CTA (gemm.py _mma_warps) over row
     tiles that leave the last group short (3 row tiles, 1025, 66), under both
     work splits; exact to the reference, every element written, the same bits
     again, and the 4-warp launch of the same call just as close to the
@@ -239,9 +239,9 @@ def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
 
     needs_kernel("wgmma")  # the 8-warp launch is taken on sm_90 only
     monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
-    wide = 8 if k == 4 or _jit.GEMM_K2_QUAD_TABLE else 4
     for M, N, K_dim in [(1, 40, 8192), (3, 16400, 256), (8, 1040, 8448), (5, 40, 16384)]:
-        assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == wide, (N, K_dim)
+        wide = k == 4 or (_jit.GEMM_K2_QUAD_TABLE and K_dim >= gemm._K2_WIDE_MIN_K_DIM)
+        assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == (8 if wide else 4), (N, K_dim)
         w, A, C = run_case(M, N, K_dim, k, dtype, "mma", seed=N)
         again = kbit_gemm(cp.asarray(A), w, kernel="mma")
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
