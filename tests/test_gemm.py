@@ -199,7 +199,7 @@ def _dispatch_against_run(run: dict, tbps: float) -> tuple[float, int]:
     for K_dim, N, M, k, dtype, kernel in times:
         if kernel != "mma":
             continue
-        if _rows_decided_since(M, N, K_dim, k, True):  # kernels since changed there
+        if _rows_decided_since(M, N, K_dim, k, True, k2=False):  # kernels since changed there
             continue
         t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "latency", "wgmma")
              if (K_dim, N, M, k, dtype, kern) in times}
@@ -286,6 +286,23 @@ def test_k4_rows_keyed_by_bandwidth(N, K_dim, dtype, tbps, expected):
     assert choose_kernel(8, N, K_dim, 4, dtype, wgmma=True, tbps=tbps) == "mma"
     assert choose_kernel(17, N, K_dim, 4, dtype, wgmma=True, tbps=tbps) == "wgmma"
     assert choose_kernel(12, N, K_dim, 4, dtype, wgmma=False, tbps=tbps) == "mma"
+
+
+@pytest.mark.parametrize(("N", "K_dim", "dtype"), [
+    (57344, 8192, "float16"), (8192, 28672, "float16"), (28672, 4096, "float16"),
+    (57344, 8192, "bfloat16"), (28672, 4096, "bfloat16")])
+@pytest.mark.parametrize("tbps", [3.35, 4.8])
+def test_k2_large_layers_take_wgmma_from_9_rows_from_2_26_weights(N, K_dim, dtype, tbps):
+    # k = 2's byte table made the Hopper path faster than mma at M = 9..16
+    # there on both GPUs (latency_h{100,200}_5d0f7b0_k2_large.json); under
+    # 2^26 weights (14336x4096) mma stays to 16 rows (fp16).
+    from kbit_cupy.gemm import choose_kernel
+
+    assert choose_kernel(8, N, K_dim, 2, dtype, wgmma=True, tbps=tbps) == "mma"
+    for M in (9, 12, 16, 17):
+        assert choose_kernel(M, N, K_dim, 2, dtype, wgmma=True, tbps=tbps) == "wgmma"
+    assert choose_kernel(16, 4096, 14336, 2, "float16", wgmma=True, tbps=tbps) == "mma"
+    assert choose_kernel(12, N, K_dim, 2, dtype, wgmma=False, tbps=tbps) == "mma"
 
 
 def _newest_cluster_run(gpu: str) -> dict:
@@ -539,13 +556,14 @@ def _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma):
     return "mma" if M <= limit else "dequant"
 
 
-def _rows_decided_since(M, N, K_dim, k, wgmma) -> bool:
+def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
     """The points the rows added since the older runs decide (sm_90, large
     layers, M = 9..16), with runs of their own: k = 4 keyed by bandwidth,
-    measured again at bc79e7a (test_k4_dispatch_at_9_to_16_rows_...), and k = 2
-    from 2^26 weights since its byte table (test_k2_dispatch_at_9_to_16_rows_...)."""
+    measured again at bc79e7a (test_k4_dispatch_at_9_to_16_rows_...), and
+    (``k2``) k = 2 from 2^26 weights since its byte table, measured at 5d0f7b0
+    by latency_kernel.py (the newest latency runs hold those points)."""
     large = wgmma and 8 < M <= 16 and (N >= 16384 or K_dim >= 8192)
-    return large and (k == 4 or (k == 2 and N * K_dim >= 1 << 26))
+    return large and (k == 4 or (k2 and k == 2 and N * K_dim >= 1 << 26))
 
 
 def test_dispatch_table_chooses_what_the_constants_chose():
