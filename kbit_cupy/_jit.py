@@ -153,6 +153,8 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
         return PRMT_TABLE_BYTES
     if k == 2 and GEMM_K2_QUAD_TABLE and (dense_wg or wide):
         return PRMT_TABLE_BYTES
+    if k == 5 and warps == 16 and not grouped:  # gemm_mma.cu kBigPairTable
+        return 1024 * 128
     return 0
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most

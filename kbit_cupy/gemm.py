@@ -932,16 +932,20 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
         return _WARPS
     if k == 2 and not (_jit.GEMM_K2_QUAD_TABLE and K_dim >= _K2_WIDE_MIN_K_DIM):
         return _WARPS
-    if k in (3, 5) and not ({3: _K3_WIDE, 5: _K5_WIDE}[k] and K_dim >= _K2_WIDE_MIN_K_DIM):
+    if k == 3 and not (_K3_WIDE and K_dim >= _K2_WIDE_MIN_K_DIM):
         return _WARPS
-    if k in (2, 3, 4, 5) and has_wgmma() and _layer_class(N, K_dim, k, True) == "large":
-        return _WIDE_WARPS
+    if k == 5 and not _K5_TABLE:
+        return _WARPS
+    if has_wgmma() and _layer_class(N, K_dim, k, True) == "large":
+        return 16 if k == 5 else _WIDE_WARPS
     return _WARPS
 
 
 _K2_WIDE_MIN_K_DIM = 8192  # k = 2's 8-warp launch from this K_dim (see _mma_warps)
 _K3_WIDE = 0  # experiment: k = 3 the same (its 32 KB pair table for 8 warps), for A/B runs
-_K5_WIDE = 0  # experiment: k = 5 the same (no table: the work split only), for A/B runs
+# experiment: k = 5 on 16 warps, one CTA per SM, with its 128 KB pair table
+# (gemm_mma.cu kBigPairTable) instead of two shuffles a pair, for A/B runs
+_K5_TABLE = 0
 
 
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):

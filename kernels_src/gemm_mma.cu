@@ -192,7 +192,7 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #endif
 
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
-constexpr int kLaunchMinCtas = WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
+constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
 // RPW: row tiles per warp. With many n8 tiles the activation fragments
 // (shared-memory reads) dominate, so on layers with enough row tiles a warp
@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
-  static_assert(WARPS == 4 || (WARPS == 8 && !WG && M_TILES == 1 && RPW == 1),
+  static_assert(WARPS == 4 || ((WARPS == 8 || (WARPS == 16 && K == 5 && !GROUPED)) && !WG && M_TILES == 1 &&
+                                RPW == 1),
                 "8 warps: the mma.sync launch at one n8 tile");
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
@@ -276,8 +277,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                  (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
   constexpr bool kQuadTable = K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
                               ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles) || (!WG && WARPS == 8));
+  // k = 5 with 16 warps (experiment, gemm._K5_TABLE): the lane-replicated pair
+  // table (kPairTable, 1024 entries of 128 bytes: 128 KB) after the stages,
+  // one CTA per SM, instead of two shuffles of the lane-register codebook a pair.
+  constexpr bool kBigPairTable = K == 5 && WARPS == 16;
   uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
-  int* tile_cum = reinterpret_cast<int*>(prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : 0));  // [experts + 1]
+  int* tile_cum = reinterpret_cast<int*>(
+      prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
   // route_ids: the ids (M) and the sorted order (M) follow
   int* route_id = row_start + experts + 1;
@@ -622,9 +628,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // weights of the same kernel in one process (+-1.7% on 8192x57344,
   // define_ab_h100_prmt_table_20a5867.txt). (Its two CTAs per SM have the
   // room; the 4-warp launches' five would drop to three.)
-  constexpr bool kPairTable = !kPrmtTable && (K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1))));
+  constexpr bool kPairTable =
+      kBigPairTable || (!kPrmtTable && (K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1)))));
   constexpr int kPairs = 1 << (2 * K);
-  __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
+  __shared__ uint4 pair_tab_static[kPairTable && !kBigPairTable ? kPairs * 8 : 1];
+  uint4* const pair_tab = kBigPairTable ? prmt_tab : pair_tab_static;
   if constexpr (kQuadTable) {  // entry (byte v, lane l) at 256 v + 8 l: pairs v & 15, v >> 4
     for (int i0 = warp * 32; i0 < 256 * 16; i0 += blockDim.x) {
       const int i = i0 + lane, v = i >> 4;
