@@ -20,7 +20,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--knob", required=True, help="a gemm.py attribute, set to 1")
     p.add_argument("--k", type=int, default=5)
-    p.add_argument("--m", nargs="+", type=int, default=[1, 3, 8])
+    p.add_argument("--m", nargs="+", type=int, default=[1, 3, 8, 9, 16])
     p.add_argument("--shapes", nargs="+", default=["8192x40", "8448x1040", "16384x4100", "256x16400"])
     args = p.parse_args()
     rng = np.random.default_rng(0)

@@ -134,6 +134,7 @@ GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
 GEMM_DENSE_WG_PRMT_MAX_TILES = 8
+GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 0  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (experiment)
 GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
 
@@ -153,7 +154,9 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
         return PRMT_TABLE_BYTES
     if k == 2 and GEMM_K2_QUAD_TABLE and (dense_wg or wide):
         return PRMT_TABLE_BYTES
-    if k == 5 and warps == 16 and not grouped:  # gemm_mma.cu kBigPairTable
+    k5_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
+                 and m_tiles <= GEMM_DENSE_WG_K5_TABLE_MAX_TILES)
+    if k == 5 and ((warps == 16 and not grouped) or k5_wg):  # gemm_mma.cu kBigPairTable
         return 1024 * 128
     return 0
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)

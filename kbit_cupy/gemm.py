@@ -928,16 +928,19 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt) H100 8192x57344 2-5%,
     14336x4096 5-6% less time, H200 those 3-7.5% and 28672x8192 1-4%; on
     4096x28672 (16 K tiles) 2-4.5% more on both."""
-    if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8 and m_tiles == 1 and per_warp == 1):
+    if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8 and per_warp == 1):
+        return _WARPS
+    if k == 5:
+        large = m_tiles <= 2 and has_wgmma() and _layer_class(N, K_dim, k, True) == "large"
+        return 16 if _K5_TABLE and large else _WARPS
+    if m_tiles != 1:
         return _WARPS
     if k == 2 and not (_jit.GEMM_K2_QUAD_TABLE and K_dim >= _K2_WIDE_MIN_K_DIM):
         return _WARPS
     if k == 3 and not (_K3_WIDE and K_dim >= _K2_WIDE_MIN_K_DIM):
         return _WARPS
-    if k == 5 and not _K5_TABLE:
-        return _WARPS
     if has_wgmma() and _layer_class(N, K_dim, k, True) == "large":
-        return 16 if k == 5 else _WIDE_WARPS
+        return _WIDE_WARPS
     return _WARPS
 
 

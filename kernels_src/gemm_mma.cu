@@ -187,6 +187,9 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // 8-warp mma launch with it, against 4 warps without, M = 1..8: 1-7.5% less
 // on the layers with K_dim >= 8192, 2-4.5% more on 4096x28672, where gemm.py
 // keeps 4 warps (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt).
+#ifndef KBIT_DENSE_WG_K5_TABLE_MAX_TILES
+#define KBIT_DENSE_WG_K5_TABLE_MAX_TILES 0
+#endif
 #ifndef KBIT_K2_QUAD_TABLE
 #define KBIT_K2_QUAD_TABLE 1
 #endif
@@ -218,9 +221,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
-  static_assert(WARPS == 4 || ((WARPS == 8 || (WARPS == 16 && K == 5 && !GROUPED)) && !WG && M_TILES == 1 &&
-                                RPW == 1),
-                "8 warps: the mma.sync launch at one n8 tile");
+  static_assert(WARPS == 4 || (WARPS == 8 && !WG && M_TILES == 1 && RPW == 1) ||
+                    (WARPS == 16 && K == 5 && !GROUPED && !WG && M_TILES <= 2 && RPW == 1),
+                "8 warps: the mma.sync launch at one n8 tile; 16: k = 5 at up to two");
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
@@ -277,10 +280,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                  (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
   constexpr bool kQuadTable = K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
                               ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles) || (!WG && WARPS == 8));
-  // k = 5 with 16 warps (experiment, gemm._K5_TABLE): the lane-replicated pair
-  // table (kPairTable, 1024 entries of 128 bytes: 128 KB) after the stages,
-  // one CTA per SM, instead of two shuffles of the lane-register codebook a pair.
-  constexpr bool kBigPairTable = K == 5 && WARPS == 16;
+  // k = 5 with 16 warps (experiment, gemm._K5_TABLE) and on the dense Hopper
+  // path up to KBIT_DENSE_WG_K5_TABLE_MAX_TILES n8 tiles (experiment, 0: none;
+  // _jit mirrors it): the lane-replicated pair table (kPairTable, 1024
+  // entries of 128 bytes: 128 KB) after the stages, one CTA per SM, instead
+  // of two shuffles of the lane-register codebook a pair.
+  constexpr bool kBigPairTable =
+      K == 5 && ((WARPS == 16 && !WG) ||
+                 (WG && !GROUPED && !kSlab && M_TILES <= KBIT_DENSE_WG_K5_TABLE_MAX_TILES));
   uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
