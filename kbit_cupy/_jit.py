@@ -106,6 +106,9 @@ def all_variants() -> list[Variant]:
                     if (k == 4 or (k == 2 and GEMM_K2_QUAD_TABLE)) and scale == "uint8":
                         # 8 warps per CTA (gemm.py _mma_warps)
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
+                    if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
+                        for m_tiles in (1, 2):
+                            out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
                     for m_tiles in gemm_wg_m_tiles(k, scale):
                         wgs = gemm_wg_warpgroups(m_tiles, k)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
@@ -134,7 +137,7 @@ GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
 GEMM_DENSE_WG_PRMT_MAX_TILES = 8
-GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 0  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (experiment)
+GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 8  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (k = 5's 128 KB table)
 GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
 

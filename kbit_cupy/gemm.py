@@ -946,9 +946,12 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
 
 _K2_WIDE_MIN_K_DIM = 8192  # k = 2's 8-warp launch from this K_dim (see _mma_warps)
 _K3_WIDE = 0  # experiment: k = 3 the same (its 32 KB pair table for 8 warps), for A/B runs
-# experiment: k = 5 on 16 warps, one CTA per SM, with its 128 KB pair table
-# (gemm_mma.cu kBigPairTable) instead of two shuffles a pair, for A/B runs
-_K5_TABLE = 0
+# k = 5 on 16 warps at up to two n8 tiles on the large layers, one CTA per
+# SM, with its 128 KB pair table (gemm_mma.cu kBigPairTable) instead of two
+# shuffles a pair (0: 4 warps, the shuffles; for A/B runs). H200 against 4
+# warps (results/define_ab_h200_k5_table_mma_475f501.txt): 5-23% less time at
+# M = 1..16 on four large layers.
+_K5_TABLE = 1
 
 
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):

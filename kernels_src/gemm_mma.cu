@@ -188,7 +188,7 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // on the layers with K_dim >= 8192, 2-4.5% more on 4096x28672, where gemm.py
 // keeps 4 warps (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt).
 #ifndef KBIT_DENSE_WG_K5_TABLE_MAX_TILES
-#define KBIT_DENSE_WG_K5_TABLE_MAX_TILES 0
+#define KBIT_DENSE_WG_K5_TABLE_MAX_TILES 8
 #endif
 #ifndef KBIT_K2_QUAD_TABLE
 #define KBIT_K2_QUAD_TABLE 1
@@ -280,11 +280,15 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                  (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
   constexpr bool kQuadTable = K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
                               ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles) || (!WG && WARPS == 8));
-  // k = 5 with 16 warps (experiment, gemm._K5_TABLE) and on the dense Hopper
-  // path up to KBIT_DENSE_WG_K5_TABLE_MAX_TILES n8 tiles (experiment, 0: none;
-  // _jit mirrors it): the lane-replicated pair table (kPairTable, 1024
-  // entries of 128 bytes: 128 KB) after the stages, one CTA per SM, instead
-  // of two shuffles of the lane-register codebook a pair.
+  // k = 5 with 16 warps (the mma launch at up to two n8 tiles, gemm._mma_warps)
+  // and on the dense Hopper path up to KBIT_DENSE_WG_K5_TABLE_MAX_TILES n8
+  // tiles (0: none; _jit mirrors it; at 8, 225 KB with three stages): the
+  // lane-replicated pair table (kPairTable, 1024 entries of 128 bytes: 128
+  // KB) after the stages, one CTA per SM, instead of two shuffles of the
+  // lane-register codebook a pair. H200, in one process
+  // (results/define_ab_h200_k5_table_*_475f501.txt): wgmma 11-23% less time at
+  // M = 1..32 on four large layers, same bits (M = 64: 0.6-5%); mma at 16
+  // warps against 4 without the table 5-23% at M = 1..16.
   constexpr bool kBigPairTable =
       K == 5 && ((WARPS == 16 && !WG) ||
                  (WG && !GROUPED && !kSlab && M_TILES <= KBIT_DENSE_WG_K5_TABLE_MAX_TILES));

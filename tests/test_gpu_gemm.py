@@ -250,6 +250,33 @@ def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
         monkeypatch.setattr(gemm, "_WIDE_WARPS", 8)
 
 
+@pytest.mark.parametrize("split", ["stream-k", "split-k"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sixteen_warp_k5_launch(monkeypatch, dtype, split):
+    """k = 5, E4M4, M <= 16 on a large layer: 16 warps per CTA and the 128 KB
+    pair table (gemm.py _mma_warps, _K5_TABLE) at one and two n8 tiles, over
+    row tiles that leave the last group short, under both work splits; exact
+    to the reference, every element written, the same bits again, and the
+    4-warp launch just as close."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    needs_kernel("wgmma")  # the 16-warp launch is taken on sm_90 only
+    monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
+    for M, N, K_dim in [(1, 40, 8192), (3, 16400, 256), (9, 1040, 8448), (16, 40, 16384),
+                        (12, 16400, 512)]:
+        m_tiles = 1 if M <= 8 else 2
+        assert gemm._mma_warps(5, np.uint8, m_tiles, 1, N, K_dim) == 16, (M, N, K_dim)
+        w, A, C = run_case(M, N, K_dim, 5, dtype, "mma", seed=N)
+        again = kbit_gemm(cp.asarray(A), w, kernel="mma")
+        assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+        monkeypatch.setattr(gemm, "_K5_TABLE", 0)
+        assert gemm._mma_warps(5, np.uint8, m_tiles, 1, N, K_dim) == 4
+        run_case(M, N, K_dim, 5, dtype, "mma", seed=N)
+        monkeypatch.setattr(gemm, "_K5_TABLE", 1)
+
+
 def test_dispatch_keys_on_this_gpus_bandwidth():
     """kernel="auto" reads the GPU's peak memory bandwidth from its properties
     (H100 SXM 3.35 TB/s, H200 4.8) and picks the rows it keys: k = 4 at M = 12
