@@ -715,6 +715,13 @@ def has_wgmma() -> bool:
 #   mma 0.92 / 0.90 on 8192x57344 (M = 9 / 16), 0.95 / 0.95 on 4096x28672, but
 #   1.03 / 1.02 on 14336x4096 (under 2^26); H200 0.91 / 0.90, 0.95 / 0.95, 1.03
 #   / 1.02. So mma to 8 rows from 2^26 weights, then wgmma.
+# - k = 5 at M = 9..16 on the large layers: with its 128 KB pair table on
+#   both kernels (gemm_mma.cu kBigPairTable), wgmma over mma (16 warps) at M
+#   = 9 / 16 on the H200 (results/define_ab_h200_k5_table_*_475f501.txt, one
+#   process): 8192x57344 0.95 / 0.94, 28672x8192 0.96 / 0.96, 4096x28672 0.98
+#   / 0.98, 14336x4096 1.00 / 0.99; on the H100 within 0.5% either way
+#   (latency_h100_190c1d2_k5_large.json). So wgmma from 9 rows at 4 TB/s or
+#   more, mma to 16 below.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -751,6 +758,8 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 8, 1024, ks=(2,), min_weights=_HUGE),
     DispatchRule(True, "large", 8, 512, ks=(2,), fp16=False),
     DispatchRule(True, "large", 16, 1024, ks=(3, 4), min_weights=_HUGE),
+    DispatchRule(True, "large", 8, 256, ks=(5,), max_weights=_HUGE, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, 512, ks=(5,), min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512),
     DispatchRule(True, "mid", 64, 256, ks=(2,), lat_max=8),
@@ -932,7 +941,8 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
         return _WARPS
     if k == 5:
         large = m_tiles <= 2 and has_wgmma() and _layer_class(N, K_dim, k, True) == "large"
-        return 16 if _K5_TABLE and large else _WARPS
+        fast = m_tiles == 2 or _device_tbps() >= _FAST_TBPS
+        return 16 if _K5_TABLE and large and fast else _WARPS
     if m_tiles != 1:
         return _WARPS
     if k == 2 and not (_jit.GEMM_K2_QUAD_TABLE and K_dim >= _K2_WIDE_MIN_K_DIM):
@@ -948,9 +958,12 @@ _K2_WIDE_MIN_K_DIM = 8192  # k = 2's 8-warp launch from this K_dim (see _mma_war
 _K3_WIDE = 0  # experiment: k = 3 the same (its 32 KB pair table for 8 warps), for A/B runs
 # k = 5 on 16 warps at up to two n8 tiles on the large layers, one CTA per
 # SM, with its 128 KB pair table (gemm_mma.cu kBigPairTable) instead of two
-# shuffles a pair (0: 4 warps, the shuffles; for A/B runs). H200 against 4
-# warps (results/define_ab_h200_k5_table_mma_475f501.txt): 5-23% less time at
-# M = 1..16 on four large layers.
+# shuffles a pair (0: 4 warps, the shuffles; for A/B runs). Against 4 warps,
+# in one process (results/define_ab_h200_k5_table_mma_475f501.txt,
+# define_ab_h100_k5_table_off_190c1d2.txt): H200 5-23% less time at M = 1..16
+# on four large layers; H100 M = 16 2.5-9% less, but M = 1 1.6-4% more (its
+# k = 5 reads at about 90% of the read ceiling there either way), so at one
+# n8 tile only on a GPU of _FAST_TBPS or more.
 _K5_TABLE = 1
 
 

@@ -305,6 +305,40 @@ def test_k2_large_layers_take_wgmma_from_9_rows_from_2_26_weights(N, K_dim, dtyp
     assert choose_kernel(12, N, K_dim, 2, dtype, wgmma=False, tbps=tbps) == "mma"
 
 
+@pytest.mark.parametrize(("N", "K_dim"), [(57344, 8192), (8192, 28672), (28672, 4096),
+                                          (4096, 14336)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_k5_large_layers_take_wgmma_from_9_rows_at_4_tbps(N, K_dim, dtype):
+    # k = 5's 128 KB pair table (both kernels): wgmma 0-6% ahead of mma at M =
+    # 9..16 on the H200, within 0.5% on the H100 (gemm.py's dispatch notes).
+    from kbit_cupy.gemm import choose_kernel
+
+    for M in (9, 16):
+        assert choose_kernel(M, N, K_dim, 5, dtype, wgmma=True, tbps=4.8) == "wgmma"
+        assert choose_kernel(M, N, K_dim, 5, dtype, wgmma=True, tbps=3.35) == "mma"
+    assert choose_kernel(8, N, K_dim, 5, dtype, wgmma=True, tbps=4.8) == "mma"
+
+
+def test_k5_sixteen_warps_where_the_table_pays():
+    # 16 warps and the 128 KB table on the large layers of sm_90: at two n8
+    # tiles on any such GPU, at one only from _FAST_TBPS (the H100's k = 5
+    # reads near its ceiling with 4 warps at M <= 8).
+    from kbit_cupy import gemm
+
+    old = gemm.has_wgmma, gemm._device_tbps
+    try:
+        gemm.has_wgmma = lambda: True
+        for tbps, one in ((3.35, 4), (4.8, 16)):
+            gemm._device_tbps = lambda tbps=tbps: tbps
+            assert gemm._mma_warps(5, np.uint8, 1, 1, 57344, 8192) == one
+            assert gemm._mma_warps(5, np.uint8, 2, 1, 57344, 8192) == 16
+            assert gemm._mma_warps(5, np.uint8, 2, 1, 4096, 4096) == 4  # not a large layer
+            assert gemm._mma_warps(5, np.float16, 2, 1, 57344, 8192) == 4  # fp16 scales
+            assert gemm._mma_warps(5, np.uint8, 4, 1, 57344, 8192) == 4
+    finally:
+        gemm.has_wgmma, gemm._device_tbps = old
+
+
 def _newest_cluster_run(gpu: str) -> dict:
     """The newest committed run of benchmarks/cluster_split.py on ``gpu``
     (fp16: the run the cluster rows of DISPATCH_TABLE come from)."""
