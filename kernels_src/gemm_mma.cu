@@ -135,9 +135,16 @@ __host__ __device__ constexpr int kReloadAfter(int q) {
 // scales, mma.sync at one n8 tile; the grouped launch only with 8 warps
 // (with 4 it measured 2-12% slower on the H100, -2..+14% on the H200:
 // results/moe_gap_probe_h{100,200}_grouped_wide_3ed1ab3.txt).
+// KBIT_SCALE_AFTER_WIDE=1 (experiment, default 0): also k = 2 and 5 on their
+// wide mma launches (8 and 16 warps, the byte and pair tables).
+#ifndef KBIT_SCALE_AFTER_WIDE
+#define KBIT_SCALE_AFTER_WIDE 0
+#endif
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS = 4>
-constexpr bool kScaleAfterOf = K == 4 && SCALE_BYTES == 1 && M_TILES == 1 && RPW == 1 && WG == 0 &&
-                               (!GROUPED || WARPS == 8);
+constexpr bool kScaleAfterOf =
+    SCALE_BYTES == 1 && RPW == 1 && WG == 0 &&
+    ((K == 4 && M_TILES == 1 && (!GROUPED || WARPS == 8)) ||
+     (KBIT_SCALE_AFTER_WIDE && M_TILES == 1 && (K == 2 || K == 5) && !GROUPED && WARPS >= 8));
 // With the scale after the multiply, five CTAs: ptxas otherwise hoists the
 // decode of later blocks (the multiplies no longer form one chain) and takes
 // 144 registers; at five, 96 and no spill, and the 33 KB of tables already
