@@ -937,7 +937,8 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt) H100 8192x57344 2-5%,
     14336x4096 5-6% less time, H200 those 3-7.5% and 28672x8192 1-4%; on
     4096x28672 (16 K tiles) 2-4.5% more on both."""
-    if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8 and per_warp == 1):
+    if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8
+            and (per_warp == 1 or (k == 2 and m_tiles == 1))):
         return _WARPS
     if k == 5:
         large = m_tiles <= 2 and has_wgmma() and _layer_class(N, K_dim, k, True) == "large"
@@ -955,6 +956,7 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
 
 
 _K2_WIDE_MIN_K_DIM = 8192  # k = 2's 8-warp launch from this K_dim (see _mma_warps)
+_K2_RPW2 = 0  # experiment: k = 2 at one n8 tile with two row tiles a warp (bytes in flight)
 _K3_WIDE = 0  # experiment: k = 3 the same (its 32 KB pair table for 8 warps), for A/B runs
 # k = 5 on 16 warps at up to two n8 tiles on the large layers, one CTA per
 # SM, with its 128 KB pair table (gemm_mma.cu kBigPairTable) instead of two
@@ -986,6 +988,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         # Two row tiles per warp where there are row tiles to spare (measured:
         # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
         per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
+        if _K2_RPW2 and weight.k == 2 and m_tiles == 1:  # (experiment: twice the bytes in flight)
+            per_warp = 2
         warps = _mma_warps(weight.k, weight.absmax.dtype, m_tiles, per_warp, N, K_dim)
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
                                m_tiles, per_warp, *((0, False, warps) if warps != 4 else ()))

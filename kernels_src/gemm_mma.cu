@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!WG || (RPW == 1 && M_TILES <= 32), "wgmma: N = 8 .. 256");
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
-  static_assert(WARPS == 4 || (WARPS == 8 && !WG && M_TILES == 1 && RPW == 1) ||
+  static_assert(WARPS == 4 || (WARPS == 8 && !WG && M_TILES == 1 && (RPW == 1 || (K == 2 && !GROUPED))) ||
                     (WARPS == 16 && K == 5 && !GROUPED && !WG && M_TILES <= 2 && RPW == 1),
                 "8 warps: the mma.sync launch at one n8 tile; 16: k = 5 at up to two");
   grid_dependency_sync();
