@@ -1,7 +1,8 @@
 """The 8-warp mma launch (gemm._mma_warps) for compute-sanitizer (device only).
 
 usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py
-k = 4 (and k = 2 where _jit.GEMM_K2_QUAD_TABLE, K_dim >= 8192), E4M4, M <= 8,
+k = 4 (and k = 2 where _jit.GEMM_K2_QUAD_TABLE, K_dim >= 8192, also with two
+row tiles a warp), E4M4, M <= 8,
 and k = 5's 16-warp launch (gemm._K5_TABLE) at M <= 16, on large-layer shapes (one short group, several), both work splits, fp16 and
 bf16; each result checked finite (poisoned output).
 """
@@ -15,8 +16,9 @@ from kbit_cupy._arrays import BFLOAT16
 
 rng = np.random.default_rng(0)
 count = 0
+wide_n = 32 * cp.cuda.Device().attributes["MultiProcessorCount"] + 80  # k = 2: two row tiles a warp
 cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
-         for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256)]
+         for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (4, wide_n, 8192)]
          if gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8]
 # k = 5: 16 warps and the 128 KB pair table at one and two n8 tiles (one: a
 # GPU of 4 TB/s or more, taken as that here)

@@ -104,8 +104,9 @@ def all_variants() -> list[Variant]:
                         for rpw in (1, 2) if m_tiles >= 4 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, rpw)))
                     if (k == 4 or (k == 2 and GEMM_K2_QUAD_TABLE)) and scale == "uint8":
-                        # 8 warps per CTA (gemm.py _mma_warps)
-                        out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
+                        # 8 warps per CTA (gemm.py _mma_warps; k = 2 also two row tiles a warp)
+                        for rpw in (1, 2) if k == 2 else (1,):
+                            out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8)))
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))

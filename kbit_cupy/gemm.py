@@ -937,8 +937,7 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt) H100 8192x57344 2-5%,
     14336x4096 5-6% less time, H200 those 3-7.5% and 28672x8192 1-4%; on
     4096x28672 (16 K tiles) 2-4.5% more on both."""
-    if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8
-            and (per_warp == 1 or (k == 2 and m_tiles == 1))):
+    if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8 and per_warp == 1):
         return _WARPS
     if k == 5:
         large = m_tiles <= 2 and has_wgmma() and _layer_class(N, K_dim, k, True) == "large"
@@ -956,7 +955,21 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
 
 
 _K2_WIDE_MIN_K_DIM = 8192  # k = 2's 8-warp launch from this K_dim (see _mma_warps)
-_K2_RPW2 = 0  # experiment: k = 2 at one n8 tile with two row tiles a warp (bytes in flight)
+
+
+def _k2_two_row_tiles(k: int, m_tiles: int, warps: int, rt_n: int) -> bool:
+    """Whether k = 2's 8-warp launch (one n8 tile) takes two row tiles a warp:
+    twice the index bytes in flight per SM (k = 2's tile is 1 KB, 16 KB a CTA
+    at one row tile), where there are row tiles for it (rt_n >= 2 x the SMs).
+    Against one row tile, in one process (results/define_ab_h{200,100}_k2_rpw2_f89e41d.txt,
+    M = 1 / 4 / 8): H200 8192x57344 1.6 / 4.3 / 5.9% and 28672x8192 (512 row
+    tiles) 3.7 / 4.9 / 7.0% less time, H100 -0.3 / 0.9 / 4.9% and 3.2 / 3.9 /
+    6.9%; 14336x4096 (256 row tiles) 12-13% more on both, 4096x28672 (4 warps)
+    7-10% more on the H200."""
+    return bool(_K2_RPW2 and k == 2 and m_tiles == 1 and warps == 8 and rt_n >= 2 * _sm_count())
+
+
+_K2_RPW2 = 1  # k = 2's two row tiles a warp where _k2_two_row_tiles says (0: never, A/B runs)
 _K3_WIDE = 0  # experiment: k = 3 the same (its 32 KB pair table for 8 warps), for A/B runs
 # k = 5 on 16 warps at up to two n8 tiles on the large layers, one CTA per
 # SM, with its 128 KB pair table (gemm_mma.cu kBigPairTable) instead of two
@@ -988,9 +1001,9 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         # Two row tiles per warp where there are row tiles to spare (measured:
         # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
         per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
-        if _K2_RPW2 and weight.k == 2 and m_tiles == 1:  # (experiment: twice the bytes in flight)
-            per_warp = 2
         warps = _mma_warps(weight.k, weight.absmax.dtype, m_tiles, per_warp, N, K_dim)
+        if _k2_two_row_tiles(weight.k, m_tiles, warps, rt_n):
+            per_warp = 2
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
                                m_tiles, per_warp, *((0, False, warps) if warps != 4 else ()))
     # mma: two stages of a K tile's activations; wgmma: three, or a ring of

@@ -230,7 +230,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                 "grouped: one row tile per warp, no slab staging");
   static_assert(WARPS == 4 || (WARPS == 8 && !WG && M_TILES == 1 && (RPW == 1 || (K == 2 && !GROUPED))) ||
                     (WARPS == 16 && K == 5 && !GROUPED && !WG && M_TILES <= 2 && RPW == 1),
-                "8 warps: the mma.sync launch at one n8 tile; 16: k = 5 at up to two");
+                "8 warps: the mma.sync launch at one n8 tile (k = 2: one or two row tiles a "
+                "warp); 16: k = 5 at up to two n8 tiles");
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
