@@ -970,7 +970,11 @@ def _k2_two_row_tiles(k: int, m_tiles: int, warps: int, rt_n: int) -> bool:
 
 
 _K2_RPW2 = 1  # k = 2's two row tiles a warp where _k2_two_row_tiles says (0: never, A/B runs)
-_K3_WIDE = 0  # experiment: k = 3 the same (its 32 KB pair table for 8 warps), for A/B runs
+# experiment, off: k = 3 the same (its 8 KB pair table for 8 warps), for A/B
+# runs. H200 against 4 warps at M = 1 / 4 / 8 (define_ab_h200_k35_wide_mma_2355ab4.txt):
+# 8192x57344 -1.1 / +1.0 / +3.6%, 28672x8192 -1.4 / +0.8 / +1.7%, 14336x4096
+# +2.6..3.0%: too small and mixed to take.
+_K3_WIDE = 0
 # k = 5 on 16 warps at up to two n8 tiles on the large layers, one CTA per
 # SM, with its 128 KB pair table (gemm_mma.cu kBigPairTable) instead of two
 # shuffles a pair (0: 4 warps, the shuffles; for A/B runs). Against 4 warps,

@@ -24,7 +24,9 @@
 // Codebook lookup: k=3/4 through a lane-replicated pair table in shared
 // memory (one LDS per two weights, see pair_tab), k=2 through a pair table in
 // lane registers (one shuffle per two weights), k=5 through the codebook in
-// lane registers (one shuffle per weight).
+// lane registers (one shuffle per weight). Where their tables fit: k = 4's
+// PRMT-addressed table (kPrmtTable), k = 2's byte table (two pairs per
+// 8-byte LDS, kQuadTable) and k = 5's 128 KB pair table (kBigPairTable).
 //
 // Effective weight: half(codebook[idx]) * half(scale) in the activation type
 // (FORMAT.md section 7 allows one unit in the last place against section 6).
@@ -631,7 +633,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // index string (2K bits; for k=4 one byte). 32 copies, word 32b + l for lane
   // l: every lane reads bank l, so one lookup per two weights costs one
   // conflict-free shared-memory wavefront, against two shuffles, two shifts
-  // and a byte_perm through the lane-register table (k=5 would need 128 KB).
+  // and a byte_perm through the lane-register table (k=5: 128 KB, only
+  // with one CTA per SM: kBigPairTable).
   // Not for k=4 with M_TILES = 4 and one row tile per warp (mma.sync): there
   // the 32 KB table drops the CTAs per SM from four to three (measured 15%
   // slower).
