@@ -141,6 +141,7 @@ GEMM_DENSE_WG_PRMT_MAX_TILES = 8
 GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 8  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (k = 5's 128 KB table)
 GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
+BIG_PAIR_TABLE_BYTES = 1024 * 128  # k = 5's pair table: 1024 entries of 128 bytes
 
 
 def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: int) -> int:
@@ -149,7 +150,9 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
     GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
     GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging), and k = 2's byte
     table where GEMM_K2_QUAD_TABLE (dense: the Hopper path's places and the
-    8-warp mma launch); 0 elsewhere."""
+    8-warp mma launch); k = 5's 128 KB pair table (kBigPairTable) on the
+    16-warp mma launch and the dense Hopper path up to
+    GEMM_DENSE_WG_K5_TABLE_MAX_TILES; 0 elsewhere."""
     dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
                     and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)
     grouped_wg = bool(wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
@@ -160,8 +163,8 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
         return PRMT_TABLE_BYTES
     k5_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
                  and m_tiles <= GEMM_DENSE_WG_K5_TABLE_MAX_TILES)
-    if k == 5 and ((warps == 16 and not grouped) or k5_wg):  # gemm_mma.cu kBigPairTable
-        return 1024 * 128
+    if k == 5 and ((warps == 16 and not grouped) or k5_wg):
+        return BIG_PAIR_TABLE_BYTES
     return 0
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most

@@ -936,7 +936,11 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     _K2_WIDE_MIN_K_DIM: at M = 1..8 against 4 warps without the table
     (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt) H100 8192x57344 2-5%,
     14336x4096 5-6% less time, H200 those 3-7.5% and 28672x8192 1-4%; on
-    4096x28672 (16 K tiles) 2-4.5% more on both."""
+    4096x28672 (16 K tiles) 2-4.5% more on both.
+
+    k = 5: 16 warps (one CTA per SM, its 128 KB pair table) at one and two n8
+    tiles on the large layers where _K5_TABLE says (at one only from
+    _FAST_TBPS). k = 3: 8 warps only where _K3_WIDE (an experiment)."""
     if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8 and per_warp == 1):
         return _WARPS
     if k == 5:

@@ -196,11 +196,13 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // 8-warp mma launch with it, against 4 warps without, M = 1..8: 1-7.5% less
 // on the layers with K_dim >= 8192, 2-4.5% more on 4096x28672, where gemm.py
 // keeps 4 warps (define_ab_h{100,200}_k2_wide_mma_quad_b424263.txt).
-#ifndef KBIT_DENSE_WG_K5_TABLE_MAX_TILES
-#define KBIT_DENSE_WG_K5_TABLE_MAX_TILES 8
-#endif
 #ifndef KBIT_K2_QUAD_TABLE
 #define KBIT_K2_QUAD_TABLE 1
+#endif
+// k = 5's 128 KB pair table on the dense Hopper path up to this many n8 tiles
+// (kBigPairTable in the kernel; _jit.GEMM_DENSE_WG_K5_TABLE_MAX_TILES mirrors it).
+#ifndef KBIT_DENSE_WG_K5_TABLE_MAX_TILES
+#define KBIT_DENSE_WG_K5_TABLE_MAX_TILES 8
 #endif
 
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
