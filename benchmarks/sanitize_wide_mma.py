@@ -1,10 +1,11 @@
 """The 8-warp mma launch (gemm._mma_warps) for compute-sanitizer (device only).
 
 usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py
-k = 4 (and k = 2 where _jit.GEMM_K2_QUAD_TABLE, K_dim >= 8192, also with two
-row tiles a warp), E4M4, M <= 8,
-and k = 5's 16-warp launch (gemm._K5_TABLE) at M <= 16, on large-layer shapes (one short group, several), both work splits, fp16 and
-bf16; each result checked finite (poisoned output).
+The 8-warp launch at M <= 8: k = 4, and k = 2 where _jit.GEMM_K2_QUAD_TABLE
+(K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
+(gemm._K5_TABLE) at M <= 16. E4M4, large-layer shapes (one short group,
+several), both work splits, fp16 and bf16; each result checked finite
+(poisoned output).
 """
 
 import cupy as cp

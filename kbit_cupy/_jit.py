@@ -145,27 +145,27 @@ BIG_PAIR_TABLE_BYTES = 1024 * 128  # k = 5's pair table: 1024 entries of 128 byt
 
 
 def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: int) -> int:
-    """Dynamic shared memory of gemm_mma.cu's PRMT-addressed pair table (its
-    kPrmtTable): k = 4 with 8 warps, or on the Hopper path up to
-    GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
-    GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging), and k = 2's byte
+    """Dynamic shared memory of gemm_mma.cu's decode table after the stages:
+    k = 4's PRMT-addressed pair table (kPrmtTable) with 8 warps, or on the
+    Hopper path up to GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
+    GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging); k = 2's byte
     table where GEMM_K2_QUAD_TABLE (dense: the Hopper path's places and the
     8-warp mma launch); k = 5's 128 KB pair table (kBigPairTable) on the
     16-warp mma launch and the dense Hopper path up to
     GEMM_DENSE_WG_K5_TABLE_MAX_TILES; 0 elsewhere."""
-    dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
-                    and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)
-    grouped_wg = bool(wgs and grouped and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
-    wide = warps == 8 and not grouped
-    if k == 4 and (warps == 8 or grouped_wg or dense_wg):
+    dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES)
+    if k == 4 and (warps == 8 or (grouped and wgs and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
+                   or (dense_wg and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)):
         return PRMT_TABLE_BYTES
-    if k == 2 and GEMM_K2_QUAD_TABLE and (dense_wg or wide):
+    if k == 2 and GEMM_K2_QUAD_TABLE and not grouped and (
+            warps == 8 or (dense_wg and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)):
         return PRMT_TABLE_BYTES
-    k5_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
-                 and m_tiles <= GEMM_DENSE_WG_K5_TABLE_MAX_TILES)
-    if k == 5 and ((warps == 16 and not grouped) or k5_wg):
+    if k == 5 and not grouped and (
+            warps == 16 or (dense_wg and m_tiles <= GEMM_DENSE_WG_K5_TABLE_MAX_TILES)):
         return BIG_PAIR_TABLE_BYTES
     return 0
+
+
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
 # gemm_latency.cu's cluster split (CLUSTER, sm_90a): n8 tiles per M chunk (a

@@ -319,24 +319,20 @@ def test_k5_large_layers_take_wgmma_from_9_rows_at_4_tbps(N, K_dim, dtype):
     assert choose_kernel(8, N, K_dim, 5, dtype, wgmma=True, tbps=4.8) == "mma"
 
 
-def test_k5_sixteen_warps_where_the_table_pays():
+def test_k5_sixteen_warps_where_the_table_pays(monkeypatch):
     # 16 warps and the 128 KB table on the large layers of sm_90: at two n8
     # tiles on any such GPU, at one only from _FAST_TBPS (the H100's k = 5
     # reads near its ceiling with 4 warps at M <= 8).
     from kbit_cupy import gemm
 
-    old = gemm.has_wgmma, gemm._device_tbps
-    try:
-        gemm.has_wgmma = lambda: True
-        for tbps, one in ((3.35, 4), (4.8, 16)):
-            gemm._device_tbps = lambda tbps=tbps: tbps
-            assert gemm._mma_warps(5, np.uint8, 1, 1, 57344, 8192) == one
-            assert gemm._mma_warps(5, np.uint8, 2, 1, 57344, 8192) == 16
-            assert gemm._mma_warps(5, np.uint8, 2, 1, 4096, 4096) == 4  # not a large layer
-            assert gemm._mma_warps(5, np.float16, 2, 1, 57344, 8192) == 4  # fp16 scales
-            assert gemm._mma_warps(5, np.uint8, 4, 1, 57344, 8192) == 4
-    finally:
-        gemm.has_wgmma, gemm._device_tbps = old
+    monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
+    for tbps, one in ((3.35, 4), (4.8, 16)):
+        monkeypatch.setattr(gemm, "_device_tbps", lambda tbps=tbps: tbps)
+        assert gemm._mma_warps(5, np.uint8, 1, 1, 57344, 8192) == one
+        assert gemm._mma_warps(5, np.uint8, 2, 1, 57344, 8192) == 16
+        assert gemm._mma_warps(5, np.uint8, 2, 1, 4096, 4096) == 4  # not a large layer
+        assert gemm._mma_warps(5, np.float16, 2, 1, 57344, 8192) == 4  # fp16 scales
+        assert gemm._mma_warps(5, np.uint8, 4, 1, 57344, 8192) == 4
 
 
 def _newest_cluster_run(gpu: str) -> dict:
