@@ -113,6 +113,8 @@ def all_variants() -> list[Variant]:
                     for m_tiles in gemm_wg_m_tiles(k, scale):
                         wgs = gemm_wg_warpgroups(m_tiles, k)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
+                        if m_tiles in GEMM_WG_FILL_M_TILES:  # one warpgroup (gemm._wg_warpgroups)
+                            out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 1)))
                     for m_tiles in GEMM_GROUPED_M_TILES:  # mixture-of-experts launch
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, True)))
                     if k == 4 and scale == "uint8":  # the same at 8 warps (experts._grouped_wide)
@@ -152,8 +154,10 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
     table where GEMM_K2_QUAD_TABLE (dense: the Hopper path's places and the
     8-warp mma launch); k = 5's 128 KB pair table (kBigPairTable) on the
     16-warp mma launch and the dense Hopper path up to
-    GEMM_DENSE_WG_K5_TABLE_MAX_TILES; 0 elsewhere."""
-    dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES)
+    GEMM_DENSE_WG_K5_TABLE_MAX_TILES; on the dense Hopper path at one
+    warpgroup only for k in GEMM_WG1_TABLES; 0 elsewhere."""
+    dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
+                    and (wgs != 1 or GEMM_WG1_TABLES >> k & 1))
     if k == 4 and (warps == 8 or (grouped and wgs and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
                    or (dense_wg and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)):
         return PRMT_TABLE_BYTES
@@ -177,6 +181,11 @@ GEMM_CLUSTER_MAX_WARPS = 8
 GEMM_CLUSTER_MAX_READS = 16
 GEMM_CLUSTER_MAX_RANKS = 8
 GEMM_WG_M_TILES = (1, 2, 4, 8, 16, 24, 32)  # the same for the wgmma path (M <= 8 .. 256)
+# The Hopper path's n8 tiles at which a small layer's launch takes one warpgroup
+# a CTA (gemm._wg_warpgroups; 17..128 rows)
+GEMM_WG_FILL_M_TILES = (4, 8, 16)
+GEMM_WG1_TABLES = 0x10  # gemm_mma.cu KBIT_WG1_TABLES: bit k, k's decode table at one warpgroup
+GEMM_MAX_CLUSTER_SPLITS = 8  # gemm_mma.cu kMaxClusterSplits: split K in clusters of this many CTAs at most
 GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations stage per slab
 
 

@@ -158,11 +158,11 @@ class PdlLaunch:
     """A ``Launch`` sent through ``cuLaunchKernelEx`` with programmatic stream
     serialization allowed (the kernel must begin with grid_dependency_sync;
     ``pdl=False`` leaves it out) and, with ``cluster`` > 0, in thread-block
-    clusters of ``cluster`` CTAs along x."""
+    clusters of ``cluster`` CTAs along x (``cluster_axis`` 1: along y)."""
 
     __slots__ = ("_attrs", "_config", "_fn", "_launch", "argv", "config_ptr", "func")
 
-    def __init__(self, launch, pdl: bool = True, cluster: int = 0):
+    def __init__(self, launch, pdl: bool = True, cluster: int = 0, cluster_axis: int = 0):
         self._launch = launch
         attrs = []
         if pdl:
@@ -170,7 +170,7 @@ class PdlLaunch:
             attrs[-1].value.value = 1
         if cluster:
             attrs.append(_Attr(id=_ATTR_CLUSTER_DIMENSION))
-            attrs[-1].value.dims[:] = (cluster, 1, 1)
+            attrs[-1].value.dims[:] = (cluster, 1, 1) if cluster_axis == 0 else (1, cluster, 1)
         self._attrs = (_Attr * max(1, len(attrs)))(*attrs)
         self._config = _Config((ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(*launch.block),
                                launch.shared, None, self._attrs, len(attrs))

@@ -500,6 +500,7 @@ class _GemmPlan:
         self.scratch = None
         self.single = None
         self.pdl = None  # the single launch through cuLaunchKernelEx (sm_90)
+        self.clusters = []  # gemm_mma launches: CTAs per cluster of split K (0: the workspace)
         self.spare = None  # the last C this plan allocated (see _output)
         if self.choice == "dequant":
             nbytes = N * K_dim * dtype.itemsize
@@ -543,11 +544,19 @@ class _GemmPlan:
                     if kernel != "auto" or rows > _MMA_MAX_M:
                         raise
                     self.choice = "mma"  # auto: what the table ran before the cluster split
+            cluster = 0
             if self.choice == "latency":
                 launch, map_tiles = _plan_latency_launch(rows, weight, dtype), 0
             else:
-                launch, map_tiles = _plan_launch(rows, weight, dtype, wg, stream)
+                launch, map_tiles, cluster = _plan_launch(rows, weight, dtype, wg, stream)
             run = _launch.PdlLaunch(launch) if pdl else launch
+            if cluster:  # split K in clusters, where they fit (else the workspace: same bits)
+                ex = _launch.PdlLaunch(launch, pdl=pdl, cluster=cluster, cluster_axis=1)
+                if ex.max_active_clusters() != 0:
+                    run = ex
+                else:
+                    cluster = 0
+            self.clusters.append(cluster)
             self.launches.append((launch, m0, rows, map_tiles, run))
         if len(self.launches) == 1 and not self.launches[0][3]:
             # one launch without a tensor map (M <= 64, and wgmma to 128): the
@@ -695,7 +704,9 @@ def has_wgmma() -> bool:
 #   CTA: cluster_geometry's choice there) ran 1.12-1.26x what auto ran (mma);
 #   at M = 8 and 16 the latency kernel is faster (1.2-1.5x), at M = 128 it won
 #   on two of the three layers only and by 5-12%, at 256 it lost. On 4096x4096
-#   it lost at every M (0.34-0.71x auto): not on "mid" layers.
+#   it lost at every M (0.34-0.71x auto): not on "mid" layers. Since the
+#   Hopper path's split K in clusters (below) no row takes it: it stays
+#   available as kernel="cluster".
 # - min_tbps (sm_90, k = 4, M = 9..16 on the large layers): the GPU's peak
 #   memory bandwidth from its properties (_device_tbps). Since the dense
 #   Hopper path reads k = 4's pair table through PRMT (2414541), wgmma beats
@@ -722,6 +733,16 @@ def has_wgmma() -> bool:
 #   / 0.98, 14336x4096 1.00 / 0.99; on the H100 within 0.5% either way
 #   (latency_h100_190c1d2_k5_large.json). So wgmma from 9 rows at 4 TB/s or
 #   more, mma to 16 below.
+# - small layers at 17..128 rows (sm_90): the Hopper path at one warpgroup a
+#   CTA with split K in thread-block clusters (_wg_warpgroups,
+#   _wg_cluster_splits; before, its 24-32 CTAs and the last CTA's sum of the
+#   partials made it 0.3-0.5x cuBLAS there) against the cluster split, in one
+#   process (results/latency_h{100,200}_small_wg_cluster_*.json, k 2..5,
+#   fp16 and bf16): wgmma at least as fast at 17..64 rows on the three small
+#   layers but for a few points within 5% (k = 2 and 3 on 768x2048), and
+#   0.8-1.0x cuBLAS at 65..128 rows where the cluster split and dequantize +
+#   cuBLAS give 0.6-0.8x. So wgmma from 17 to 128 rows, dequantize + cuBLAS
+#   beyond (two 128-row launches cost twice one).
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -769,7 +790,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
     DispatchRule(True, "mid", 64, 256),
-    DispatchRule(True, "small", 64, 64, lat_max=16, cl_max=64),  # wgmma never wins
+    DispatchRule(True, "small", 16, 128, lat_max=16),
     # other GPUs: mma, then dequantize + cuBLAS
     DispatchRule(False, "widest", 192, 0),
     DispatchRule(False, "large", 128, 0),
@@ -990,17 +1011,48 @@ _K3_WIDE = 0
 _K5_TABLE = 1
 
 
+def _wg_warpgroups(m_tiles: int, k: int, rt_n: int, kt_n: int) -> int:
+    """Warpgroups per CTA of the Hopper path: as many as the registers allow
+    (_jit.gemm_wg_warpgroups), or one where that many leave SMs without a
+    (group, K tile) unit, at _jit.GEMM_WG_FILL_M_TILES n8 tiles (_WG_FILL). A CTA's warpgroups share one group of row tiles,
+    so on 2048x768 (48 row tiles, 8 K tiles) four warpgroups make 24 units
+    and one makes 96."""
+    wgs = _jit.gemm_wg_warpgroups(m_tiles, k)
+    if (_WG_FILL and m_tiles in _jit.GEMM_WG_FILL_M_TILES
+            and math.ceil(rt_n / (4 * wgs)) * kt_n < _sm_count()):
+        return 1
+    return wgs
+
+
+_WG_FILL = 1  # _wg_warpgroups' step down to one warpgroup (0: never, A/B runs)
+# Split K of the Hopper path in thread-block clusters (gemm_mma.cu, "Split K in
+# clusters") where the launch allows it (0: the workspace, A/B runs).
+_WG_CLUSTER = 1
+
+
+def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int) -> int:
+    """CTAs per cluster of a Hopper-path launch (the group's splits along
+    grid y), or 0 for the workspace reduction: one warpgroup a CTA (no slab
+    staging), split K into 2..8 segments (_jit.GEMM_MAX_CLUSTER_SPLITS), on a
+    GPU and driver that launch clusters."""
+    if not (_WG_CLUSTER and wg and wgs == 1 and threads == 128
+            and 1 < splits <= _jit.GEMM_MAX_CLUSTER_SPLITS):
+        return 0
+    return splits if _launch.cluster_launch_supported() else 0
+
+
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
-    """(Launch, tensor-map n8 tiles or 0) of gemm_mma.cu for ``M`` rows of A:
-    up to 64 (mma) or 256 (wg: the wgmma path; 129..256 warp-specialised,
-    which needs a tensor map of A per call). A and C are set per call."""
+    """(Launch, tensor-map n8 tiles or 0, CTAs per cluster along y or 0) of
+    gemm_mma.cu for ``M`` rows of A: up to 64 (mma) or 256 (wg: the wgmma
+    path; 129..256 warp-specialised, which needs a tensor map of A per call).
+    A and C are set per call."""
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
         m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)
                        if 8 * t >= M)
-        wgs = _WG_WARPGROUPS or _jit.gemm_wg_warpgroups(m_tiles, weight.k)
+        wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n)
         per_warp, warps = 1, 4 * wgs
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
                                m_tiles, 1, wgs)
@@ -1043,7 +1095,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
         kern, grid, (threads,), shared, _GEMM_ARG_TYPES,
         (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
          units // ctas, units % ctas, workspace, counters, 0, 0, 0, 1, 0, 0))
-    return launch, map_tiles
+    return launch, map_tiles, _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
 
 
 # gemm_latency.cu stages the rows of A it multiplies, whole, in shared memory:

@@ -175,56 +175,10 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, in
   return e;
 }
 
-// Thread-block clusters (sm_90; the CLUSTER instantiations are built for sm_90a only).
+// Thread-block clusters (sm_90; the CLUSTER instantiations are built for sm_90a only;
+// the helpers are in mma_common.cuh).
 constexpr int kClusterMaxWarps = 8;   // _jit.py mirrors it (GEMM_CLUSTER_MAX_WARPS)
 constexpr int kClusterMaxReads = 16;  // ranks x warps per row tile: gemm.py keeps to it
-__device__ __forceinline__ int cluster_rank() {
-  unsigned r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-  return (int)r;
-}
-__device__ __forceinline__ int cluster_ranks() {
-  unsigned n = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-  return (int)n;
-}
-// Every thread of every CTA of the cluster arrives; shared-memory writes
-// before it are visible to the cluster's reads after it (release / acquire).
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// The exit barrier: arrive without release semantics, then wait. A thread's
-// reads of the other CTAs' shared memory have returned before it arrives
-// (their values were used), so no fence is needed; a release arrive would
-// also wait for the thread's stores of C. H100, kernel-only, this and no CTA
-// barrier before the first cluster barrier against both barriers release and
-// the CTA barrier (ceaf320's KBIT_CLUSTER_LEAN_SYNC, same bits): 1.04-1.11x on
-// the small layers at 17..64 rows (define_ab_h100_ceaf320_cluster_lean_sync.txt).
-__device__ __forceinline__ void cluster_sync_exit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
-               "barrier.cluster.wait.aligned;\n" ::: "memory");
-#endif
-}
-// The float4 at shared address `addr` (16-byte aligned, this CTA's layout) in
-// CTA `rank` of the cluster.
-__device__ __forceinline__ float4 ld_cluster_f32x4(unsigned addr, int rank) {
-  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-#endif
-  return v;
-}
 
 template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false>
 __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMaxWarps), 1)
@@ -518,10 +472,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       const int mt = within >> 5, l = within & 31;
       const int n = (group * cta_row_tiles + r) * 16 + (l >> 2);  // elements 2, 3: n + 8
       const int m = mt * 8 + 2 * (l & 3);                         // elements 1, 3: m + 1
-      if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, s.x);
-      if (n < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n, s.y);
-      if (n + 8 < N && m < rows) Mma<T>::store(C + (long long)m * N + n + 8, s.z);
-      if (n + 8 < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n + 8, s.w);
+      store_acc_quad(C, N, rows, n, m, s);
     }
     cluster_sync_exit();  // no CTA leaves while another reads its shared memory
     return;

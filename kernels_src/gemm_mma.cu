@@ -45,6 +45,14 @@
 // up the K tiles done, and the warp that completes them adds the slots of the
 // group's CTAs in CTA order and writes C, so results are deterministic. The
 // next unit's loads run across segment ends.
+// Split K in clusters (the Hopper path at one warpgroup a CTA, gemm.py
+// _wg_cluster_splits): the launch's clusters are a group's splits (cluster
+// dims (1, splits, 1), so CTA rank q is segment q). Each CTA leaves its
+// partial tile in its own shared memory, and after a cluster barrier rank q
+// adds every rank's values of items q, q + ranks, ... (in rank order, from
+// zero: the same sums and bits as the workspace path's) through distributed
+// shared memory and writes them to C: no workspace, no counters, and the
+// reduction spread over the group's CTAs instead of done by the last one.
 //
 // Hopper path (template argument WG > 0, compiled for sm_90a only): the
 // same layout, decode, work split and reduction, with the multiply issued as
@@ -205,6 +213,19 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #define KBIT_DENSE_WG_K5_TABLE_MAX_TILES 8
 #endif
 
+// Split K in clusters (the Hopper path): splits per cluster at most (the
+// portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
+constexpr int kMaxClusterSplits = 8;
+
+// The dense Hopper path at one warpgroup a CTA (gemm._wg_warpgroups: small
+// layers, each CTA one K tile of 64 rows of W) builds the shared-memory
+// decode tables above (k = 4's PRMT table, k = 2's byte table, k = 5's 128 KB
+// pair table) for k where bit k of KBIT_WG1_TABLES is set
+// (_jit.GEMM_WG1_TABLES mirrors it).
+#ifndef KBIT_WG1_TABLES
+#define KBIT_WG1_TABLES 0x10
+#endif
+
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
@@ -287,11 +308,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // k = 4 with 8 warps, and the Hopper path up to 64 rows (kGroupedWgPrmtMaxTiles,
   // kDenseWgPrmtMaxTiles): the PRMT-addressed pair table (64 KB, kPrmtTable
   // below) follows the stages, the grouped launch's tables follow it.
+  constexpr bool kDenseWgTables = WG != 1 || ((KBIT_WG1_TABLES >> K) & 1);  // (above)
   constexpr bool kPrmtTable =
       K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
-                 (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles));
-  constexpr bool kQuadTable = K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
-                              ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles) || (!WG && WARPS == 8));
+                 (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables));
+  constexpr bool kQuadTable =
+      K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
+      ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables) || (!WG && WARPS == 8));
   // k = 5 with 16 warps (the mma launch at up to two n8 tiles, gemm._mma_warps)
   // and on the dense Hopper path up to KBIT_DENSE_WG_K5_TABLE_MAX_TILES n8
   // tiles (0: none; _jit mirrors it; at 8, 225 KB with three stages): the
@@ -302,8 +325,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // M = 1..32 on four large layers, same bits (M = 64: 0.6-5%); mma at 16
   // warps against 4 without the table 5-23% at M = 1..16.
   constexpr bool kBigPairTable =
-      K == 5 && ((WARPS == 16 && !WG) ||
-                 (WG && !GROUPED && !kSlab && M_TILES <= KBIT_DENSE_WG_K5_TABLE_MAX_TILES));
+      K == 5 && ((WARPS == 16 && !WG) || (WG && !GROUPED && !kSlab &&
+                                          M_TILES <= KBIT_DENSE_WG_K5_TABLE_MAX_TILES && kDenseWgTables));
   uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
@@ -795,6 +818,47 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         for (int i = 0; i < 4; ++i) acc[0][mt][i] *= 16.0f;
     }
     const bool whole = seg_kt0 == 0 && seg_kt1 == k_tiles;
+    if constexpr (WG == 1 && !GROUPED && !kSlab && RPW == 1) {
+      // Split K in a cluster (see the header): this CTA's only segment.
+      if (split_k && cluster_ranks() > 1) {
+        // The stages hold the partial tiles: every warpgroup has waited for
+        // its own multiplies; the barrier waits for the others' (no copy is
+        // in flight: the segment's last tile loaded nothing).
+        __syncthreads();
+        float4* const red = reinterpret_cast<float4*>(x_stage + x_align);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+          red[(warp * M_TILES + mt) * 32 + lane] =
+              make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]);
+        cluster_sync();  // every CTA's partial tile written
+        const unsigned red_addr = (unsigned)__cvta_generic_to_shared(red);
+        const int ranks = cluster_ranks(), rank = cluster_rank();
+        const int items = warps * M_TILES * 32;
+        for (int i = rank * (int)blockDim.x + (int)threadIdx.x; i < items; i += ranks * (int)blockDim.x) {
+          float4 v[kMaxClusterSplits];
+#pragma unroll
+          for (int q = 0; q < kMaxClusterSplits; ++q)
+            if (q < ranks) v[q] = ld_cluster_f32x4(red_addr + 16u * i, q);
+          float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+          for (int q = 0; q < kMaxClusterSplits; ++q) {
+            if (q < ranks) {
+              sum.x += v[q].x;
+              sum.y += v[q].y;
+              sum.z += v[q].z;
+              sum.w += v[q].w;
+            }
+          }
+          const int w = i / (M_TILES * 32), within = i - w * (M_TILES * 32);
+          const int mt = within >> 5, l = within & 31;
+          const int n = (seg_grp * warps + w) * 16 + (l >> 2);  // elements 2, 3: n + 8
+          const int m = mt * 8 + 2 * (l & 3);                   // elements 1, 3: m + 1
+          store_acc_quad(C, N, M, n, m, sum);
+        }
+        cluster_sync_exit();  // no CTA leaves while another reads its shared memory
+        return;
+      }
+    }
     const int g_begin = seg_grp * group_units;
     // workspace slot of CTA c's segment of this group: its first or its last
     auto slot_part = [&](int c, int r) {

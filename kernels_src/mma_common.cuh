@@ -22,6 +22,56 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
+// Thread-block clusters (sm_90: gemm_latency.cu's cluster split, gemm_mma.cu's
+// split K on the Hopper path; no-ops before sm_90).
+__device__ __forceinline__ int cluster_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return (int)r;
+}
+__device__ __forceinline__ int cluster_ranks() {
+  unsigned n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return (int)n;
+}
+// Every thread of every CTA of the cluster arrives; shared-memory writes
+// before it are visible to the cluster's reads after it (release / acquire).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The exit barrier: arrive without release semantics, then wait. A thread's
+// reads of the other CTAs' shared memory have returned before it arrives
+// (their values were used), so no fence is needed; a release arrive would
+// also wait for the thread's stores of C. H100, kernel-only, this and no CTA
+// barrier before the first cluster barrier against both barriers release and
+// the CTA barrier (ceaf320's KBIT_CLUSTER_LEAN_SYNC, same bits): 1.04-1.11x on
+// the small layers at 17..64 rows (define_ab_h100_ceaf320_cluster_lean_sync.txt).
+__device__ __forceinline__ void cluster_sync_exit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+               "barrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+// The float4 at shared address `addr` (16-byte aligned, this CTA's layout) in
+// CTA `rank` of the cluster.
+__device__ __forceinline__ float4 ld_cluster_f32x4(unsigned addr, int rank) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+
 // Weight tiles and scales are read once per call: their loads carry an L2
 // evict_first policy (KBIT_WEIGHT_L2_HINT 1, the default), so a weight's lines
 // are the first to go and what else lives in L2 (activations, the lines other
@@ -101,6 +151,17 @@ template <> struct Mma<__nv_bfloat16> {
   }
   __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 };
+
+// The four values of an m16n8 accumulator lane for rows n, n + 8 of W and
+// m, m + 1 of A (.x .. .w: (n, m), (n, m + 1), (n + 8, m), (n + 8, m + 1)),
+// stored to C [rows][N] where in bounds (the cluster reductions).
+template <typename T>
+__device__ __forceinline__ void store_acc_quad(T* C, int N, int rows, int n, int m, float4 s) {
+  if (n < N && m < rows) Mma<T>::store(C + (long long)m * N + n, s.x);
+  if (n < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n, s.y);
+  if (n + 8 < N && m < rows) Mma<T>::store(C + (long long)m * N + n + 8, s.z);
+  if (n + 8 < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n + 8, s.w);
+}
 
 // Bits [off, off + 32) of a lane's index string (off is a compile-time constant).
 template <int K>

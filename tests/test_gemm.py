@@ -344,13 +344,12 @@ def _newest_cluster_run(gpu: str) -> dict:
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_cluster_dispatch_against_its_run(gpu):
-    # On the small layers kernel="auto" picks the cluster split at 17..64 rows
-    # (sm_90), in the geometry cluster_geometry gives; at every point of the
-    # newest run on each GPU (3 small layers, k 2 and 4, fp16, kernel-only)
-    # what auto picks is within 6% of the fastest kernel and geometry measured
-    # there, and beyond 64 rows, where the split lost on one layer of three,
-    # it is not picked. The same rows serve both GPUs.
+def test_cluster_geometry_against_its_run(gpu):
+    # kernel="cluster" on the small layers at 32..64 rows, in the geometry
+    # cluster_geometry gives: at every point of the newest run on each GPU (3
+    # small layers, k 2 and 4, fp16, kernel-only) within 6% of the fastest
+    # kernel and geometry measured there. (auto took it at 17..64 rows until
+    # the Hopper path's split K in clusters: test_small_layers_take_wgmma_...)
     from kbit_cupy import gemm
 
     run = _newest_cluster_run(gpu)
@@ -363,9 +362,7 @@ def test_cluster_dispatch_against_its_run(gpu):
     for (K_dim, N, M, k), t in times.items():
         if k == 16 or N * K_dim >= 1 << 24:  # cuBLAS; the mid layer the split lost on
             continue
-        chosen = gemm.choose_kernel(M, N, K_dim, k, "float16", wgmma=True)
-        assert (chosen == "cluster") == (16 < M <= 64), (K_dim, N, M, k, chosen)
-        if chosen != "cluster" or M < 32:
+        if not 32 <= M <= 64:
             continue
         geometry = "m{}/ranks{}/rt{}/w{}".format(*gemm.cluster_geometry(
             M, *gemm._tile_counts(N, K_dim), sms))
@@ -373,6 +370,75 @@ def test_cluster_dispatch_against_its_run(gpu):
         assert picked <= 1.06 * min(t.values()), (K_dim, N, M, k, geometry)
         checked += 1
     assert checked >= 12, checked
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_small_layers_take_wgmma_at_17_to_128_rows(gpu):
+    # The small layers (2048x768, 768x2048, 2048x512) at 17..128 rows (sm_90):
+    # the Hopper path at one warpgroup a CTA with split K in clusters. At every
+    # point of the runs on each GPU (latency_kernel.py, k 2..5, kernel-only,
+    # one process; fp16, and bf16 on the H100) auto picks wgmma, within
+    # _SMALL_WORST of the fastest of wgmma, the cluster split and mma; beyond
+    # 128 rows dequantize + cuBLAS.
+    from kbit_cupy.gemm import choose_kernel
+
+    runs = _committed_runs(f"latency_{gpu}_small_wg_cluster_*.json")
+    assert runs
+    checked, worst = 0, 1.0
+    for run in runs:
+        times: dict[tuple, dict] = {}
+        for r in run["records"]:
+            if r["kernel"] in ("wgmma", "cluster", "mma"):
+                times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[
+                    r["kernel"]] = r["graph_us"]
+        for (K_dim, N, M, k, dtype), t in times.items():
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8 if gpu == "h200" else 3.35)
+            assert chosen == ("wgmma" if 16 < M <= 128 else "latency"), (K_dim, N, M, k, chosen)
+            if chosen == "wgmma":
+                worst = max(worst, t["wgmma"] / min(t.values()))
+                checked += 1
+            assert choose_kernel(129, N, K_dim, k, dtype, wgmma=True) == "dequant"
+    assert checked >= 100, checked
+    assert worst <= _SMALL_WORST, worst
+
+
+# The worst point of test_small_layers_take_wgmma_at_17_to_128_rows: k = 2 on
+# 768x2048 at 40..64 rows, where the cluster split was a few percent faster.
+_SMALL_WORST = 1.06
+
+
+def test_small_launches_take_one_warpgroup_and_clusters(monkeypatch):
+    """The Hopper path steps down to one warpgroup a CTA where its units would
+    leave SMs idle (17..128 rows only), and splits K in clusters of 2..8
+    CTAs at one warpgroup, where the GPU launches clusters."""
+    from kbit_cupy import _jit, _launch, gemm
+
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    assert gemm._wg_warpgroups(4, 4, 48, 8) == 1  # 2048x768: 3 x 8 units at four
+    assert gemm._wg_warpgroups(16, 2, 128, 3) == 1  # 768x2048
+    assert gemm._wg_warpgroups(8, 4, 256, 16) == 4  # 4096x4096: 16 x 16 units
+    assert gemm._wg_warpgroups(2, 4, 48, 8) == _jit.gemm_wg_warpgroups(2, 4)  # M <= 16
+    assert gemm._wg_warpgroups(24, 4, 48, 8) == _jit.gemm_wg_warpgroups(24, 4)  # slab staging
+    monkeypatch.setattr(gemm, "_WG_FILL", 0)
+    assert gemm._wg_warpgroups(4, 4, 48, 8) == 4
+    monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: True)
+    assert gemm._wg_cluster_splits(True, 1, 8, 128) == 8
+    assert gemm._wg_cluster_splits(True, 1, 2, 128) == 2
+    assert gemm._wg_cluster_splits(True, 1, 9, 128) == 0  # past the portable cluster size
+    assert gemm._wg_cluster_splits(True, 1, 0, 128) == 0  # stream-K
+    assert gemm._wg_cluster_splits(True, 1, 1, 128) == 0  # whole groups
+    assert gemm._wg_cluster_splits(True, 4, 8, 512) == 0  # four warpgroups: the workspace
+    assert gemm._wg_cluster_splits(False, 0, 8, 128) == 0  # mma.sync
+    monkeypatch.setattr(gemm, "_WG_CLUSTER", 0)
+    assert gemm._wg_cluster_splits(True, 1, 8, 128) == 0
+    monkeypatch.setattr(gemm, "_WG_CLUSTER", 1)
+    monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: False)
+    assert gemm._wg_cluster_splits(True, 1, 8, 128) == 0
+    # one warpgroup: only k = 4 keeps its shared-memory table (GEMM_WG1_TABLES)
+    for k, table in ((2, 0), (3, 0), (4, _jit.PRMT_TABLE_BYTES), (5, 0)):
+        assert _jit.gemm_prmt_table_bytes(k, 4, 1, False, 4) == table, k
+    assert _jit.gemm_prmt_table_bytes(2, 4, 4, False, 16) == _jit.PRMT_TABLE_BYTES
+    assert _jit.gemm_prmt_table_bytes(5, 4, 4, False, 16) == _jit.BIG_PAIR_TABLE_BYTES
 
 
 @pytest.mark.parametrize(
@@ -587,11 +653,17 @@ def _dispatch_before_the_table(M, N, K_dim, k, fp16, wgmma):
 
 
 def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
-    """The points the rows added since the older runs decide (sm_90, large
-    layers, M = 9..16), with runs of their own: k = 4 keyed by bandwidth,
-    measured again at bc79e7a (test_k4_dispatch_at_9_to_16_rows_...), and
-    (``k2``) k = 2 from 2^26 weights since its byte table, measured at 5d0f7b0
-    by latency_kernel.py (the newest latency runs hold those points)."""
+    """The points the rows added since the older runs decide (sm_90), with
+    runs of their own: on the large layers at M = 9..16 k = 4 keyed by
+    bandwidth, measured again at bc79e7a (test_k4_dispatch_at_9_to_16_rows_...),
+    and (``k2``) k = 2 from 2^26 weights since its byte table, measured at
+    5d0f7b0 by latency_kernel.py (the newest latency runs hold those points);
+    on the small layers at M = 17..128 the Hopper path's split K in clusters
+    (test_small_layers_take_wgmma_at_17_to_128_rows)."""
+    from kbit_cupy.gemm import _layer_class
+
+    if wgmma and 16 < M <= 128 and _layer_class(N, K_dim, k, True) == "small":
+        return True
     large = wgmma and 8 < M <= 16 and (N >= 16384 or K_dim >= 8192)
     return large and (k == 4 or (k2 and k == 2 and N * K_dim >= 1 << 26))
 
