@@ -374,7 +374,7 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         fewer where K_dim is long), ``"cluster"`` (the latency kernel's
         decode with the K tiles split over a thread-block cluster and A
         staged per M chunk, for small layers at tens to hundreds of rows;
-        sm_90 GPUs only; ``"auto"`` takes it on small layers at 17..64 rows:
+        sm_90 GPUs only; ``"auto"`` takes wgmma there instead:
         benchmarks/NOTES-gemm.md) or ``"dequant"`` (dequantize to a scratch
         weight, then cuBLAS); ignored for NumPy A.
 
@@ -674,7 +674,7 @@ def has_wgmma() -> bool:
 #   from 2^27 weights (8192x57344, 28672x8192), at k = 5 only to 256 below
 #   2^27 weights (its shuffle decode); dequantize + cuBLAS beyond (0.92x
 #   cuBLAS at M = 4096). On 4096x6144 mma to 64 (k = 5: 32), wgmma to 256; on
-#   2048x768 and 768x2048 wgmma never wins.
+#   2048x768 and 768x2048 wgmma never won (until its split K in clusters, below).
 # - lat_max (sm_90): benchmarks/results/latency_h100_*.json (the latency
 #   kernel against mma, M 1..16, fp16 and bf16): small layers to M = 16 (1.3-
 #   1.85x cuBLAS at M = 1 against mma's 0.8-1.1x), mid layers up to 2^24
@@ -737,12 +737,14 @@ def has_wgmma() -> bool:
 #   CTA with split K in thread-block clusters (_wg_warpgroups,
 #   _wg_cluster_splits; before, its 24-32 CTAs and the last CTA's sum of the
 #   partials made it 0.3-0.5x cuBLAS there) against the cluster split, in one
-#   process (results/latency_h{100,200}_small_wg_cluster_*.json, k 2..5,
-#   fp16 and bf16): wgmma at least as fast at 17..64 rows on the three small
-#   layers but for a few points within 5% (k = 2 and 3 on 768x2048), and
-#   0.8-1.0x cuBLAS at 65..128 rows where the cluster split and dequantize +
-#   cuBLAS give 0.6-0.8x. So wgmma from 17 to 128 rows, dequantize + cuBLAS
-#   beyond (two 128-row launches cost twice one).
+#   process (results/latency_h{100,200}_small_wg_cluster_4bb7b7b_*.json, k
+#   2..5, fp16 and bf16 on the H100, fp16 on the H200): wgmma as fast as the
+#   cluster split or faster at 17..64 rows on the three small layers except
+#   k = 2 and 5 on 768x2048 at 17..48 rows (up to 5.3% slower), and at 65..128
+#   rows 0.66-1.0x cuBLAS where the cluster split gives 0.58-0.82x and
+#   dequantize + cuBLAS about 0.7x (small_layers_before_h100_f24f01b). So wgmma
+#   from 17 to 128 rows, dequantize + cuBLAS beyond (two 128-row launches
+#   cost twice one).
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the

@@ -398,12 +398,13 @@ def test_small_layers_take_wgmma_at_17_to_128_rows(gpu):
                 worst = max(worst, t["wgmma"] / min(t.values()))
                 checked += 1
             assert choose_kernel(129, N, K_dim, k, dtype, wgmma=True) == "dequant"
-    assert checked >= 100, checked
+    assert checked >= 72, checked
     assert worst <= _SMALL_WORST, worst
 
 
-# The worst point of test_small_layers_take_wgmma_at_17_to_128_rows: k = 2 on
-# 768x2048 at 40..64 rows, where the cluster split was a few percent faster.
+# The worst points of test_small_layers_take_wgmma_at_17_to_128_rows: k = 2
+# and 5 on 768x2048 (three K tiles) at 17..48 rows, where the cluster split was
+# up to 5.3% faster (H200 k = 2 at M = 17, H100 bf16 k = 5 at M = 40).
 _SMALL_WORST = 1.06
 
 
