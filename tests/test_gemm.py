@@ -435,6 +435,10 @@ def test_small_launches_take_one_warpgroup_and_clusters(monkeypatch):
     monkeypatch.setattr(gemm, "_WG_CLUSTER", 1)
     monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: False)
     assert gemm._wg_cluster_splits(True, 1, 8, 128) == 0
+    # split K into at most a cluster's CTAs there (3072x1024 at M = 17: 16
+    # groups of 12 K tiles, two CTAs per SM): six splits of two, not twelve
+    assert gemm._work_split(16, 12, 264, 132)[2] == 12
+    assert gemm._work_split(16, 12, 264, 132, _jit.GEMM_MAX_CLUSTER_SPLITS)[1:] == (96, 6)
     # one warpgroup: only k = 4 keeps its shared-memory table (GEMM_WG1_TABLES)
     for k, table in ((2, 0), (3, 0), (4, _jit.PRMT_TABLE_BYTES), (5, 0)):
         assert _jit.gemm_prmt_table_bytes(k, 4, 1, False, 4) == table, k

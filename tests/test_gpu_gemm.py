@@ -239,8 +239,10 @@ def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
 
     needs_kernel("wgmma")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    # (N, K_dim, splits): 8, 3, 5 and 2 K tiles over few groups; 17 K tiles in one group
-    shapes = [(770, 2048, 8), (2000, 768, 3), (300, 1280, 5), (520, 288, 2), (64, 4352, 0)]
+    # (N, K_dim, splits): 8, 3, 5 and 2 K tiles over few groups; 12 K tiles in six
+    # splits of two (at most a cluster's 8); 17 K tiles in one group (17 splits)
+    shapes = [(770, 2048, 8), (2000, 768, 3), (300, 1280, 5), (520, 288, 2), (1040, 3072, 6),
+              (64, 4352, 0)]
     for M in (17, 40, 100, 128):
         for N, K_dim, splits in shapes:
             rt_n, kt_n = (N + 15) // 16, (K_dim + 255) // 256
