@@ -1085,11 +1085,12 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
     # Work split (gemm_mma.cu, "Work split"): units of (group, K tile), one
     # contiguous range per CTA, at most as many CTAs as are resident at once.
     groups = math.ceil(rt_n / (warps * per_warp))
-    # One warpgroup a CTA: split K into at most a cluster's CTAs where clusters
-    # launch (a split of more went to the workspace: 3072x1024 at M = 17,
-    # twelve splits of one K tile, 9.4 us on the H100 against 6.8 us for six
-    # of two in clusters at M = 64)
-    cap = _jit.GEMM_MAX_CLUSTER_SPLITS if _wg_cluster_splits(wg, wgs if wg else 0, 2, threads) else 0
+    # Where this launch could split K in clusters (asked for two splits), at
+    # most a cluster's CTAs: more went to the workspace (3072x1024 at M =
+    # 17..64, twelve splits of one K tile; six of two in clusters are 1.46-1.63x
+    # faster on the H100: results/ab_tree_h100_split_cap_c946539_vs_e7228f8.txt)
+    clusters = _wg_cluster_splits(wg, wgs if wg else 0, 2, threads)
+    cap = _jit.GEMM_MAX_CLUSTER_SPLITS if clusters else 0
     group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * per_sm, _sm_count(), cap)
     units = groups * group_units
     if units >= 2**31:

@@ -821,9 +821,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     if constexpr (WG == 1 && !GROUPED && !kSlab && RPW == 1) {
       // Split K in a cluster (see the header): this CTA's only segment.
       if (split_k && cluster_ranks() > 1) {
-        // The stages hold the partial tiles: every warpgroup has waited for
-        // its own multiplies; the barrier waits for the others' (no copy is
-        // in flight: the segment's last tile loaded nothing).
+        // The stages hold the partial tiles: each warp has waited for its
+        // multiplies (wgmma_wait<0>), the barrier for all four warps to be
+        // done with the stages (no copy is in flight: the segment's last
+        // tile loaded nothing).
         __syncthreads();
         float4* const red = reinterpret_cast<float4*>(x_stage + x_align);
 #pragma unroll
