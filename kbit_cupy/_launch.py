@@ -139,10 +139,11 @@ _pdl_devices: dict[int, bool] = {}
 
 
 def cluster_launch_supported() -> bool:
-    """Whether the current device runs gemm_latency.cu's cluster split: compute
-    capability 9.0 (its variants are built for sm_90a, which runs on sm_90
-    only) and a driver with cuLaunchKernelEx (the launch attribute that sets
-    the cluster size needs it)."""
+    """Whether the current device launches thread-block clusters for
+    gemm_latency.cu's cluster split and gemm_mma.cu's split K in clusters:
+    compute capability 9.0 (their variants are built for sm_90a, which runs
+    on sm_90 only) and a driver with cuLaunchKernelEx (the launch attribute
+    that sets the cluster size needs it)."""
     dev = current_device()
     found = _cluster_devices.get(dev)
     if found is None:

@@ -500,7 +500,9 @@ class _GemmPlan:
         self.scratch = None
         self.single = None
         self.pdl = None  # the single launch through cuLaunchKernelEx (sm_90)
-        self.clusters = []  # gemm_mma launches: CTAs per cluster of split K (0: the workspace)
+        # gemm_mma launches: CTAs per cluster of split K (0: no clusters: the
+        # workspace, stream-K or whole groups)
+        self.clusters = []
         self.spare = None  # the last C this plan allocated (see _output)
         if self.choice == "dequant":
             nbytes = N * K_dim * dtype.itemsize
@@ -744,7 +746,10 @@ def has_wgmma() -> bool:
 #   rows 0.66-1.0x cuBLAS where the cluster split gives 0.58-0.82x and
 #   dequantize + cuBLAS about 0.7x (small_layers_before_h100_f24f01b). So wgmma
 #   from 17 to 128 rows, dequantize + cuBLAS beyond (two 128-row launches
-#   cost twice one).
+#   cost twice one), below 2^22 weights (3072x1024, 3.1M weights, measured
+#   1.29x cuBLAS at M = 17..32: NOTES-gemm.md). Small layers of 2^22..2^24
+#   weights keep the earlier row (the cluster split to 64 rows): not measured
+#   (2048x2048 on wgmma at k = 4 ran 0.65-0.77x cuBLAS at 17..64 rows).
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -792,7 +797,8 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
     DispatchRule(True, "mid", 64, 256),
-    DispatchRule(True, "small", 16, 128, lat_max=16),
+    DispatchRule(True, "small", 16, 128, max_weights=1 << 22, lat_max=16),
+    DispatchRule(True, "small", 64, 64, lat_max=16, cl_max=64),  # (not measured since the above)
     # other GPUs: mma, then dequantize + cuBLAS
     DispatchRule(False, "widest", 192, 0),
     DispatchRule(False, "large", 128, 0),
@@ -1033,15 +1039,21 @@ _WG_FILL = 1  # _wg_warpgroups' step down to one warpgroup (0: never, A/B runs)
 _WG_CLUSTER = 1
 
 
+def _wg_cluster_capable(wg: bool, wgs: int, threads: int) -> bool:
+    """Whether a Hopper-path launch can split K in clusters: one warpgroup a
+    CTA (no slab staging), on a GPU and driver that launch clusters. Its
+    split K then takes at most _jit.GEMM_MAX_CLUSTER_SPLITS segments (also
+    with _WG_CLUSTER off, so that A/B runs compare the same split)."""
+    return wg and wgs == 1 and threads == 128 and _launch.cluster_launch_supported()
+
+
 def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int) -> int:
     """CTAs per cluster of a Hopper-path launch (the group's splits along
-    grid y), or 0 for the workspace reduction: one warpgroup a CTA (no slab
-    staging), split K into 2..8 segments (_jit.GEMM_MAX_CLUSTER_SPLITS), on a
-    GPU and driver that launch clusters."""
-    if not (_WG_CLUSTER and wg and wgs == 1 and threads == 128
-            and 1 < splits <= _jit.GEMM_MAX_CLUSTER_SPLITS):
+    grid y), or 0 for the workspace reduction (or no split): split K into
+    2..8 segments (_jit.GEMM_MAX_CLUSTER_SPLITS) where _wg_cluster_capable."""
+    if not (_WG_CLUSTER and 1 < splits <= _jit.GEMM_MAX_CLUSTER_SPLITS):
         return 0
-    return splits if _launch.cluster_launch_supported() else 0
+    return splits if _wg_cluster_capable(wg, wgs, threads) else 0
 
 
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
@@ -1085,12 +1097,12 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
     # Work split (gemm_mma.cu, "Work split"): units of (group, K tile), one
     # contiguous range per CTA, at most as many CTAs as are resident at once.
     groups = math.ceil(rt_n / (warps * per_warp))
-    # Where this launch could split K in clusters (asked for two splits), at
-    # most a cluster's CTAs: more went to the workspace (3072x1024 at M =
-    # 17..64, twelve splits of one K tile; six of two in clusters are 1.46-1.63x
-    # faster on the H100: results/ab_tree_h100_split_cap_c946539_vs_e7228f8.txt)
-    clusters = _wg_cluster_splits(wg, wgs if wg else 0, 2, threads)
-    cap = _jit.GEMM_MAX_CLUSTER_SPLITS if clusters else 0
+    # Where this launch can split K in clusters, at most a cluster's CTAs:
+    # more went to the workspace (3072x1024 at M = 17..64, twelve splits of
+    # one K tile; six of two in clusters are 1.46-1.63x faster on the H100:
+    # results/ab_tree_h100_split_cap_c946539_vs_e7228f8.txt)
+    capable = _wg_cluster_capable(wg, wgs if wg else 0, threads)
+    cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
     group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * per_sm, _sm_count(), cap)
     units = groups * group_units
     if units >= 2**31:

@@ -48,11 +48,13 @@
 // Split K in clusters (the Hopper path at one warpgroup a CTA, gemm.py
 // _wg_cluster_splits): the launch's clusters are a group's splits (cluster
 // dims (1, splits, 1), so CTA rank q is segment q). Each CTA leaves its
-// partial tile in its own shared memory, and after a cluster barrier rank q
-// adds every rank's values of items q, q + ranks, ... (in rank order, from
-// zero: the same sums and bits as the workspace path's) through distributed
-// shared memory and writes them to C: no workspace, no counters, and the
-// reduction spread over the group's CTAs instead of done by the last one.
+// partial tile in its own shared memory, and after a cluster barrier the
+// ranks take blocks of blockDim.x items in turn (block b: rank b mod ranks),
+// add every rank's values of each item (in rank order, from zero: the same
+// sums and bits as the workspace path's for the same split) through
+// distributed shared memory and write them to C: no workspace, no counters,
+// and the reduction spread over the group's CTAs instead of done by the last
+// one.
 //
 // Hopper path (template argument WG > 0, compiled for sm_90a only): the
 // same layout, decode, work split and reduction, with the multiply issued as

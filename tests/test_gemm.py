@@ -384,6 +384,11 @@ def test_small_layers_take_wgmma_at_17_to_128_rows(gpu):
 
     runs = _committed_runs(f"latency_{gpu}_small_wg_cluster_*.json")
     assert runs
+    # Up to 2^22 weights (the rows measured since); above, the cluster split to 64 rows
+    for M in (17, 64, 65, 128):
+        assert choose_kernel(M, 1024, 3072, 4, "float16", wgmma=True) == "wgmma"
+        assert choose_kernel(M, 2048, 2048, 4, "float16", wgmma=True) == \
+            ("cluster" if M <= 64 else "dequant")
     checked, worst = 0, 1.0
     for run in runs:
         times: dict[tuple, dict] = {}
@@ -423,6 +428,8 @@ def test_small_launches_take_one_warpgroup_and_clusters(monkeypatch):
     monkeypatch.setattr(gemm, "_WG_FILL", 0)
     assert gemm._wg_warpgroups(4, 4, 48, 8) == 4
     monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: True)
+    assert gemm._wg_cluster_capable(True, 1, 128)
+    assert not gemm._wg_cluster_capable(True, 2, 256)
     assert gemm._wg_cluster_splits(True, 1, 8, 128) == 8
     assert gemm._wg_cluster_splits(True, 1, 2, 128) == 2
     assert gemm._wg_cluster_splits(True, 1, 9, 128) == 0  # past the portable cluster size
@@ -432,9 +439,11 @@ def test_small_launches_take_one_warpgroup_and_clusters(monkeypatch):
     assert gemm._wg_cluster_splits(False, 0, 8, 128) == 0  # mma.sync
     monkeypatch.setattr(gemm, "_WG_CLUSTER", 0)
     assert gemm._wg_cluster_splits(True, 1, 8, 128) == 0
+    assert gemm._wg_cluster_capable(True, 1, 128)  # the same split capped (A/B runs)
     monkeypatch.setattr(gemm, "_WG_CLUSTER", 1)
     monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: False)
     assert gemm._wg_cluster_splits(True, 1, 8, 128) == 0
+    assert not gemm._wg_cluster_capable(True, 1, 128)
     # split K into at most a cluster's CTAs there (3072x1024 at M = 17: 16
     # groups of 12 K tiles, two CTAs per SM): six splits of two, not twelve
     assert gemm._work_split(16, 12, 264, 132)[2] == 12
@@ -667,7 +676,8 @@ def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
     (test_small_layers_take_wgmma_at_17_to_128_rows)."""
     from kbit_cupy.gemm import _layer_class
 
-    if wgmma and 16 < M <= 128 and _layer_class(N, K_dim, k, True) == "small":
+    if (wgmma and 16 < M <= 128 and _layer_class(N, K_dim, k, True) == "small"
+            and N * K_dim < 1 << 22):
         return True
     large = wgmma and 8 < M <= 16 and (N >= 16384 or K_dim >= 8192)
     return large and (k == 4 or (k2 and k == 2 and N * K_dim >= 1 << 26))

@@ -229,25 +229,29 @@ def test_both_work_splits(monkeypatch, kernel, split, M):
 def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
     """The Hopper path on layers whose units leave SMs idle: one warpgroup a
     CTA (gemm._wg_warpgroups) and split K in thread-block clusters of 2..8
-    CTAs (gemm._wg_cluster_splits; 17 splits fall back to the workspace), N
-    leaving the last group short, K_dim past the last whole K tile, 17..128
-    rows: exact to the reference, every element written, the same bits
-    again, and the same bits as the workspace reduction of the same launch."""
+    CTAs (gemm._wg_cluster_splits; one K tile a CTA, and two), N leaving the
+    last group short, K_dim past the last whole K tile, 17..128 rows: exact
+    to the reference, every element written, the same bits again, and the
+    same bits as the workspace reduction of the same split (the plan's
+    fallback where the cluster does not fit: max_active_clusters 0)."""
     import cupy as cp
 
-    from kbit_cupy import gemm
+    from kbit_cupy import _jit, _launch, gemm
 
     needs_kernel("wgmma")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (N, K_dim, splits): 8, 3, 5 and 2 K tiles over few groups; 12 K tiles in six
-    # splits of two (at most a cluster's 8); 17 K tiles in one group (17 splits)
+    # splits of two (at most a cluster's 8); 17 K tiles in one group (stream-K:
+    # split K would take more than a cluster)
     shapes = [(770, 2048, 8), (2000, 768, 3), (300, 1280, 5), (520, 288, 2), (1040, 3072, 6),
               (64, 4352, 0)]
+    checked = 0
     for M in (17, 40, 100, 128):
+        m_tiles = next(t for t in (4, 8, 16) if 8 * t >= M)
         for N, K_dim, splits in shapes:
             rt_n, kt_n = (N + 15) // 16, (K_dim + 255) // 256
-            m_tiles = next(t for t in (4, 8, 16) if 8 * t >= M)
-            if math.ceil(rt_n / 4) * kt_n > sms:  # (a GPU of few SMs: not these launches)
+            wgs = _jit.gemm_wg_warpgroups(m_tiles, k)
+            if math.ceil(rt_n / (4 * wgs)) * kt_n >= sms:  # (a GPU of few SMs: not these launches)
                 continue
             assert gemm._wg_warpgroups(m_tiles, k, rt_n, kt_n) == 1, (N, K_dim)
             w, A, C = run_case(M, N, K_dim, k, dtype, "wgmma", seed=N + M)
@@ -255,12 +259,14 @@ def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
             assert plan.clusters == [splits], (M, N, K_dim, plan.clusters)
             again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-            monkeypatch.setattr(gemm, "_WG_CLUSTER", 0)
+            monkeypatch.setattr(_launch.PdlLaunch, "max_active_clusters", lambda self: 0)
             w._plans.clear()
             plain = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
             assert next(iter(w._plans.values())).clusters == [0]
             assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-            monkeypatch.setattr(gemm, "_WG_CLUSTER", 1)
+            monkeypatch.undo()
+            checked += 1
+    assert checked >= 12 or sms < 132, checked
 
 
 @pytest.mark.parametrize("k", [2, 4])
