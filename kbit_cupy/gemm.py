@@ -1023,9 +1023,9 @@ _K5_TABLE = 1
 def _wg_warpgroups(m_tiles: int, k: int, rt_n: int, kt_n: int) -> int:
     """Warpgroups per CTA of the Hopper path: as many as the registers allow
     (_jit.gemm_wg_warpgroups), or one where that many leave SMs without a
-    (group, K tile) unit, at _jit.GEMM_WG_FILL_M_TILES n8 tiles (_WG_FILL). A CTA's warpgroups share one group of row tiles,
-    so on 2048x768 (48 row tiles, 8 K tiles) four warpgroups make 24 units
-    and one makes 96."""
+    (group, K tile) unit, at _jit.GEMM_WG_FILL_M_TILES n8 tiles (_WG_FILL).
+    A CTA's warpgroups share one group of row tiles, so on 2048x768 (48 row
+    tiles, 8 K tiles) four warpgroups make 24 units and one makes 96."""
     wgs = _jit.gemm_wg_warpgroups(m_tiles, k)
     if (_WG_FILL and m_tiles in _jit.GEMM_WG_FILL_M_TILES
             and math.ceil(rt_n / (4 * wgs)) * kt_n < _sm_count()):

@@ -461,14 +461,8 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       }
       float4 s = v[0];
 #pragma unroll
-      for (int j = 1; j < kClusterMaxReads; ++j) {
-        if (j < reads) {
-          s.x += v[j].x;
-          s.y += v[j].y;
-          s.z += v[j].z;
-          s.w += v[j].w;
-        }
-      }
+      for (int j = 1; j < kClusterMaxReads; ++j)
+        if (j < reads) add_f32x4(s, v[j]);
       const int mt = within >> 5, l = within & 31;
       const int n = (group * cta_row_tiles + r) * 16 + (l >> 2);  // elements 2, 3: n + 8
       const int m = mt * 8 + 2 * (l & 3);                         // elements 1, 3: m + 1

@@ -844,14 +844,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             if (q < ranks) v[q] = ld_cluster_f32x4(red_addr + 16u * i, q);
           float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-          for (int q = 0; q < kMaxClusterSplits; ++q) {
-            if (q < ranks) {
-              sum.x += v[q].x;
-              sum.y += v[q].y;
-              sum.z += v[q].z;
-              sum.w += v[q].w;
-            }
-          }
+          for (int q = 0; q < kMaxClusterSplits; ++q)
+            if (q < ranks) add_f32x4(sum, v[q]);
           const int w = i / (M_TILES * 32), within = i - w * (M_TILES * 32);
           const int mt = within >> 5, l = within & 31;
           const int n = (seg_grp * warps + w) * 16 + (l >> 2);  // elements 2, 3: n + 8

@@ -152,6 +152,14 @@ template <> struct Mma<__nv_bfloat16> {
   __device__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 };
 
+// s += v, element by element (the cluster reductions' sums, in their order).
+__device__ __forceinline__ void add_f32x4(float4& s, const float4& v) {
+  s.x += v.x;
+  s.y += v.y;
+  s.z += v.z;
+  s.w += v.w;
+}
+
 // The four values of an m16n8 accumulator lane for rows n, n + 8 of W and
 // m, m + 1 of A (.x .. .w: (n, m), (n, m + 1), (n + 8, m), (n + 8, m + 1)),
 // stored to C [rows][N] where in bounds (the cluster reductions).
