@@ -517,6 +517,7 @@ class _GemmPlan:
             return
         weight.prepare()
         wg = self.choice == "wgmma"
+        chunks = 1
         if self.choice == "latency":
             step = _latency_rows(K_dim, dtype.itemsize)
         elif wg:
@@ -525,6 +526,9 @@ class _GemmPlan:
             step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
             if M > step and _tensor_maps_available() and _slab_launch_ok(weight, dtype.name):
                 step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
+            chunks = _wg_m_chunks(M, weight.k, N, K_dim)
+            if chunks > 1:
+                step = M  # one launch, its chunks along grid z
         elif self.choice == "cluster":
             step = M  # one launch: its M chunks run along grid y
         else:
@@ -550,7 +554,7 @@ class _GemmPlan:
             if self.choice == "latency":
                 launch, map_tiles = _plan_latency_launch(rows, weight, dtype), 0
             else:
-                launch, map_tiles, cluster = _plan_launch(rows, weight, dtype, wg, stream)
+                launch, map_tiles, cluster = _plan_launch(rows, weight, dtype, wg, stream, chunks)
             run = _launch.PdlLaunch(launch) if pdl else launch
             if cluster:  # split K in clusters, where they fit (else the workspace: same bits)
                 ex = _launch.PdlLaunch(launch, pdl=pdl, cluster=cluster, cluster_axis=1)
@@ -922,9 +926,11 @@ _STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the l
 
 @functools.cache  # pure
 def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
-                max_splits: int = 0) -> tuple[int, int, int]:
+                max_splits: int = 0, split_only: bool = False) -> tuple[int, int, int]:
     """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
-    for stream-K; split K into at most ``max_splits`` segments where given).
+    for stream-K; split K into at most ``max_splits`` segments where given;
+    ``split_only``: never stream-K, for M chunks, whose CTAs must each hold
+    one segment of one chunk's group).
 
     Split K: every group's K tiles in ``s`` whole segments of ``per`` tiles,
     one CTA each (units per group padded to ``s * per`` so that each CTA's
@@ -947,7 +953,7 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
             best = (key, s_used, per)
     (split_load, _), s, per = best
     stream_load = math.ceil(ctas / sms) * (math.ceil(units / ctas) + _STREAM_K_SLACK)
-    if stream_load < split_load:
+    if stream_load < split_load and not split_only:
         return k_tiles, ctas, 0
     return s * per, groups * s, s
 
@@ -1056,18 +1062,45 @@ def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int) -> int:
     return splits if _wg_cluster_capable(wg, wgs, threads) else 0
 
 
-def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
+# M chunks of the Hopper path (gemm_mma.cu, "M chunks"): on a small layer,
+# 65..256 rows run as 2..4 chunks of 64 rows along grid z, in one launch at
+# one warpgroup a CTA with split K in clusters, instead of one 128-row launch
+# (or, past 128 rows, dequantize + cuBLAS). 0: never (A/B runs).
+_WG_M_CHUNKS = 1
+_WG_CHUNK_M_TILES = 8  # n8 tiles of a chunk
+_WG_MAX_CHUNKS = 4
+
+
+def _wg_m_chunks(M: int, k: int, N: int, K_dim: int) -> int:
+    """Chunks of _WG_CHUNK_M_TILES n8 tiles along grid z for a Hopper-path
+    launch of ``M`` rows (1: none): 2.._WG_MAX_CHUNKS where a chunk's launch
+    takes one warpgroup a CTA (_wg_warpgroups: a small layer) and can split K
+    in clusters (its CTAs then reduce without the workspace, whose slots and
+    counters the kernel also keeps per chunk)."""
+    rows = 8 * _WG_CHUNK_M_TILES
+    if not (_WG_M_CHUNKS and rows < M <= rows * _WG_MAX_CHUNKS):
+        return 1
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    if _wg_warpgroups(_WG_CHUNK_M_TILES, k, rt_n, kt_n) != 1 or not _wg_cluster_capable(True, 1, 128):
+        return 1
+    return math.ceil(M / rows)
+
+
+def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunks: int = 1):
     """(Launch, tensor-map n8 tiles or 0, CTAs per cluster along y or 0) of
     gemm_mma.cu for ``M`` rows of A: up to 64 (mma) or 256 (wg: the wgmma
-    path; 129..256 warp-specialised, which needs a tensor map of A per call).
-    A and C are set per call."""
+    path; 129..256 warp-specialised, which needs a tensor map of A per call,
+    or ``chunks`` > 1 chunks of _WG_CHUNK_M_TILES n8 tiles along grid z, see
+    _wg_m_chunks). A and C are set per call."""
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
         m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)
-                       if 8 * t >= M)
+                       if 8 * t >= (M if chunks == 1 else 8 * _WG_CHUNK_M_TILES))
         wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n)
+        if chunks > 1 and (wgs != 1 or m_tiles != _WG_CHUNK_M_TILES):
+            raise AssertionError("M chunks need one warpgroup at the chunk's n8 tiles")
         per_warp, warps = 1, 4 * wgs
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
                                m_tiles, 1, wgs)
@@ -1103,14 +1136,20 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int):
     # results/ab_tree_h100_split_cap_c946539_vs_e7228f8.txt)
     capable = _wg_cluster_capable(wg, wgs if wg else 0, threads)
     cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
-    group_units, ctas, splits = _work_split(groups, kt_n, _sm_count() * per_sm, _sm_count(), cap)
-    units = groups * group_units
+    # M chunks: every chunk's groups count (each CTA one segment of one
+    # chunk's group, so the kernel's per-chunk ranges are whole segments)
+    group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm, _sm_count(),
+                                            cap, chunks > 1)
+    units = groups * chunks * group_units
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
     # fp32 partials of split groups: two slots per CTA (its first and last group)
     workspace = _workspace(2 * ctas * warps * per_warp * m_tiles * 32 * 4, stream)
-    counters = _counters(rt_n, stream)
-    grid = (groups, splits) if splits > 1 else (ctas, 1)  # gemm_mma.cu: CTA (group, segment)
+    counters = _counters(rt_n * chunks, stream)
+    ctas //= chunks  # per chunk (grid z)
+    units //= chunks
+    # gemm_mma.cu: CTA (group, segment[, chunk])
+    grid = (groups, splits, chunks) if splits > 1 else (ctas, 1, chunks)
     map_tiles = m_tiles if threads > warps * 32 else 0
     launch = _launch.Launch(
         kern, grid, (threads,), shared, _GEMM_ARG_TYPES,

@@ -451,6 +451,12 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     const int items = cta_row_tiles * M_TILES * 32, reads = ranks * wk;
     for (int i = rank * blockDim.x + threadIdx.x; i < items; i += ranks * blockDim.x) {
       const int r = i / (M_TILES * 32), within = i - r * (M_TILES * 32);
+      const int mt = within >> 5, l = within & 31;
+      const int n = (group * cta_row_tiles + r) * 16 + (l >> 2);  // elements 2, 3: n + 8
+      const int m = mt * 8 + 2 * (l & 3);                         // elements 1, 3: m + 1
+      // No element of this quad is stored: no remote load either (the exit
+      // barrier relies on every remote load's value being used).
+      if (n >= N || m >= rows) continue;
       float4 v[kClusterMaxReads];
 #pragma unroll
       for (int j = 0; j < kClusterMaxReads; ++j) {
@@ -463,10 +469,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
 #pragma unroll
       for (int j = 1; j < kClusterMaxReads; ++j)
         if (j < reads) add_f32x4(s, v[j]);
-      const int mt = within >> 5, l = within & 31;
-      const int n = (group * cta_row_tiles + r) * 16 + (l >> 2);  // elements 2, 3: n + 8
-      const int m = mt * 8 + 2 * (l & 3);                         // elements 1, 3: m + 1
-      store_acc_quad(C, N, rows, n, m, s);
+      store_acc_quad(C, N, rows, n, m, s);  // stores element (n, m): uses every load
     }
     cluster_sync_exit();  // no CTA leaves while another reads its shared memory
     return;

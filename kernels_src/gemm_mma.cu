@@ -270,6 +270,19 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // consumer warps.
   constexpr bool kSlab = WG && M_TILES >= kSlabMinTiles;
   const int warps = kSlab ? 4 * WG : blockDim.x / 32, warp = threadIdx.x / 32;
+  // M chunks (gemm.py's _wg_m_chunks): grid z cuts the rows of A and C into
+  // chunks of 8 * M_TILES, each its own problem of this launch's geometry,
+  // with its own workspace slots and counters.
+  if constexpr (WG && !GROUPED && !kSlab) {
+    if (gridDim.z > 1) {
+      const int m0 = (int)blockIdx.z * 8 * M_TILES;
+      A += (long long)m0 * K_dim;
+      C += (long long)m0 * N;
+      M = min(M - m0, 8 * M_TILES);
+      workspace += (long long)blockIdx.z * (2 * gridDim.x * gridDim.y) * warps * M_TILES * 32 * 4;
+      counters += (long long)blockIdx.z * row_tiles;
+    }
+  }
   // This CTA's units [u_begin, u_end) of n_groups * group_units (see the
   // header; gemm.py keeps the count below 2^31): CTA c gets q units, plus one
   // if c < rem (q, rem: kernel parameters, so they take no registers). A
@@ -823,6 +836,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     if constexpr (WG == 1 && !GROUPED && !kSlab && RPW == 1) {
       // Split K in a cluster (see the header): this CTA's only segment.
       if (split_k && cluster_ranks() > 1) {
+        // The host launches clusters of (1, splits, 1): a group's splits, all of
+        // them. Any other shape would sum the wrong partials (a host bug).
+        if (cluster_ranks() != (int)gridDim.y) __trap();
         // The stages hold the partial tiles: each warp has waited for its
         // multiplies (wgmma_wait<0>), the barrier for all four warps to be
         // done with the stages (no copy is in flight: the segment's last
@@ -838,6 +854,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         const int ranks = cluster_ranks(), rank = cluster_rank();
         const int items = warps * M_TILES * 32;
         for (int i = rank * (int)blockDim.x + (int)threadIdx.x; i < items; i += ranks * (int)blockDim.x) {
+          const int w = i / (M_TILES * 32), within = i - w * (M_TILES * 32);
+          const int mt = within >> 5, l = within & 31;
+          const int n = (seg_grp * warps + w) * 16 + (l >> 2);  // elements 2, 3: n + 8
+          const int m = mt * 8 + 2 * (l & 3);                   // elements 1, 3: m + 1
+          // No element of this quad is stored: no remote load either (the
+          // exit barrier relies on every remote load's value being used).
+          if (n >= N || m >= M) continue;
           float4 v[kMaxClusterSplits];
 #pragma unroll
           for (int q = 0; q < kMaxClusterSplits; ++q)
@@ -846,11 +869,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
           for (int q = 0; q < kMaxClusterSplits; ++q)
             if (q < ranks) add_f32x4(sum, v[q]);
-          const int w = i / (M_TILES * 32), within = i - w * (M_TILES * 32);
-          const int mt = within >> 5, l = within & 31;
-          const int n = (seg_grp * warps + w) * 16 + (l >> 2);  // elements 2, 3: n + 8
-          const int m = mt * 8 + 2 * (l & 3);                   // elements 1, 3: m + 1
-          store_acc_quad(C, N, M, n, m, sum);
+          store_acc_quad(C, N, M, n, m, sum);  // stores element (n, m): uses every load
         }
         cluster_sync_exit();  // no CTA leaves while another reads its shared memory
         return;

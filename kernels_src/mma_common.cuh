@@ -47,9 +47,11 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 // The exit barrier: arrive without release semantics, then wait. A thread's
-// reads of the other CTAs' shared memory have returned before it arrives
-// (their values were used), so no fence is needed; a release arrive would
-// also wait for the thread's stores of C. H100, kernel-only, this and no CTA
+// reads of the other CTAs' shared memory have returned before it arrives, so
+// no fence is needed: both cluster sums load only for an output quad whose
+// element (n, m) is stored, and that store reads every loaded value (the
+// scoreboard waits for each load). A release arrive would also wait for the
+// thread's stores of C. H100, kernel-only, this and no CTA
 // barrier before the first cluster barrier against both barriers release and
 // the CTA barrier (ceaf320's KBIT_CLUSTER_LEAN_SYNC, same bits): 1.04-1.11x on
 // the small layers at 17..64 rows (define_ab_h100_ceaf320_cluster_lean_sync.txt).

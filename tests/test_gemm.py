@@ -455,6 +455,32 @@ def test_small_launches_take_one_warpgroup_and_clusters(monkeypatch):
     assert _jit.gemm_prmt_table_bytes(5, 4, 4, False, 16) == _jit.BIG_PAIR_TABLE_BYTES
 
 
+def test_m_chunks_on_small_layers_only(monkeypatch):
+    """65..256 rows of a small layer run as 64-row chunks along grid z of one
+    launch (gemm._wg_m_chunks), where a chunk takes one warpgroup and the GPU
+    launches clusters; never at 64 rows or fewer, past 256, on layers whose
+    units fill the SMs, or without clusters; and the work split of chunks is
+    always split K (whole segments, never stream-K)."""
+    from kbit_cupy import _launch, gemm
+
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: True)
+    for M, chunks in ((1, 1), (64, 1), (65, 2), (128, 2), (129, 3), (200, 4), (256, 4), (257, 1)):
+        assert gemm._wg_m_chunks(M, 4, 768, 2048) == chunks, M
+    assert gemm._wg_m_chunks(128, 2, 2048, 768) == 2  # 768x2048
+    assert gemm._wg_m_chunks(128, 4, 4096, 4096) == 1  # 16 x 16 units at four warpgroups
+    assert gemm._wg_m_chunks(128, 4, 57344, 8192) == 1
+    monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 0)
+    assert gemm._wg_m_chunks(128, 4, 768, 2048) == 1
+    monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 1)
+    monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: False)
+    assert gemm._wg_m_chunks(128, 4, 768, 2048) == 1
+    # stream-K wins this split (one group of 9 K tiles, at most 8 segments);
+    # chunks take split K: five segments of two
+    assert gemm._work_split(1, 9, 132, 132, 8)[2] == 0
+    assert gemm._work_split(1, 9, 132, 132, 8, True) == (10, 5, 5)
+
+
 @pytest.mark.parametrize(
     ("M", "N", "K_dim", "k", "dtype", "expected"),
     [

@@ -239,6 +239,7 @@ def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
     from kbit_cupy import _jit, _launch, gemm
 
     needs_kernel("wgmma")
+    monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 0)  # 65..128 rows in one chunk (see test_wgmma_m_chunks)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (N, K_dim, splits): 8, 3, 5 and 2 K tiles over few groups; 12 K tiles in six
     # splits of two (at most a cluster's 8); 17 K tiles in one group (stream-K:
@@ -259,14 +260,67 @@ def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
             assert plan.clusters == [splits], (M, N, K_dim, plan.clusters)
             again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-            monkeypatch.setattr(_launch.PdlLaunch, "max_active_clusters", lambda self: 0)
-            w._plans.clear()
-            plain = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
-            assert next(iter(w._plans.values())).clusters == [0]
+            with monkeypatch.context() as mp:
+                mp.setattr(_launch.PdlLaunch, "max_active_clusters", lambda self: 0)
+                w._plans.clear()
+                plain = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
+                assert next(iter(w._plans.values())).clusters == [0]
             assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-            monkeypatch.undo()
             checked += 1
     assert checked >= 12 or sms < 132, checked
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_wgmma_m_chunks(monkeypatch, dtype, k):
+    """65..256 rows on small layers: one Hopper-path launch whose 64-row
+    chunks run along grid z (gemm._wg_m_chunks; gemm_mma.cu "M chunks"), a
+    last chunk of 1..64 rows, N leaving the last group short, K_dim past the
+    last whole K tile: exact to the reference, every element written, the
+    same bits again, and the same bits through the workspace (the plan's
+    fallback where the cluster does not fit), whose slots and counters are
+    per chunk."""
+    import cupy as cp
+
+    from kbit_cupy import _launch, gemm
+
+    needs_kernel("wgmma")
+    checked = 0
+    for M in (65, 100, 128, 129, 200, 256):
+        for N, K_dim in [(770, 2048), (2000, 768), (300, 1280), (520, 288)]:
+            chunks = gemm._wg_m_chunks(M, k, N, K_dim)
+            if chunks == 1:  # (a GPU of few SMs: not these launches)
+                continue
+            assert chunks == math.ceil(M / 64), (M, N, K_dim, chunks)
+            w, A, C = run_case(M, N, K_dim, k, dtype, "wgmma", seed=N + M)
+            plan = next(p for p in w._plans.values() if p.choice == "wgmma")
+            assert len(plan.launches) == 1 and plan.launches[0][0].grid[2] == chunks, plan.launches
+            again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+            with monkeypatch.context() as mp:
+                mp.setattr(_launch.PdlLaunch, "max_active_clusters", lambda self: 0)
+                w._plans.clear()
+                plain = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
+                plain_plan = next(iter(w._plans.values()))
+                assert plain_plan.clusters == [0] and plain_plan.launches[0][0].grid[2] == chunks
+            assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+            checked += 1
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    assert checked >= 20 or sms < 132, checked
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_wgmma_small_sweep_without_m_chunks(monkeypatch, dtype, k):
+    """The small sweep's 65..257-row cases with M chunks off: the 128-row
+    launch, the slab-staged 24 and 32 n8 tiles and the two-launch split (what
+    larger layers run) on these shapes too."""
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 0)
+    for M, N, K_dim in [(65, 64, 288), (128, 300, 512), (129, 1000, 160), (190, 520, 288),
+                        (256, 300, 512), (257, 1000, 160)]:
+        run_case(M, N, K_dim, k, dtype, "wgmma")
 
 
 @pytest.mark.parametrize("k", [2, 4])
