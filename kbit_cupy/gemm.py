@@ -18,6 +18,7 @@ import functools
 import math
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -1086,6 +1087,15 @@ def _wg_m_chunks(M: int, k: int, N: int, K_dim: int) -> int:
     return math.ceil(M / rows)
 
 
+@functools.cache  # per CUfunction (so per device), block and shared memory
+def _resident_clusters(func: int, threads: int, shared: int, cluster: int) -> int | None:
+    """Clusters of ``cluster`` CTAs along y of kernel ``func`` resident at once
+    (cuOccupancyMaxActiveClusters; None where the driver cannot say)."""
+    probe = types.SimpleNamespace(func=func, grid=(1, cluster, 1), block=(threads, 1, 1),
+                                  shared=shared, argv=None)  # what PdlLaunch reads of a Launch
+    return _launch.PdlLaunch(probe, pdl=False, cluster=cluster, cluster_axis=1).max_active_clusters()
+
+
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunks: int = 1):
     """(Launch, tensor-map n8 tiles or 0, CTAs per cluster along y or 0) of
     gemm_mma.cu for ``M`` rows of A: up to 64 (mma) or 256 (wg: the wgmma
@@ -1138,8 +1148,20 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
     # M chunks: every chunk's groups count (each CTA one segment of one
     # chunk's group, so the kernel's per-chunk ranges are whole segments)
-    group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm, _sm_count(),
-                                            cap, chunks > 1)
+    while True:
+        group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
+                                                _sm_count(), cap, chunks > 1)
+        # The split assumes every CTA resident at once. A GPC holds whole
+        # clusters only, so fewer clusters of `splits` CTAs may be resident
+        # than SMs x CTAs per SM allow (2048x512 at 65..128 rows in two chunks,
+        # k = 4, one CTA per SM: 16 clusters of 8 took 8.3 us on the H200
+        # against 6.6 us for one 128-row launch, results/define_ab_h200_m_chunks_28f41db.txt):
+        # then at most splits - 1 segments.
+        cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
+        resident = _resident_clusters(kern.kernel.ptr, threads, shared, cluster) if cluster else None
+        if resident is None or resident * cluster >= ctas or cap == 2:
+            break
+        cap = splits - 1
     units = groups * chunks * group_units
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
