@@ -1087,6 +1087,9 @@ def _wg_m_chunks(M: int, k: int, N: int, K_dim: int) -> int:
     return math.ceil(M / rows)
 
 
+_CLUSTER_RESIDENCY = 1  # _plan_launch's split within the resident clusters (0: not, A/B runs)
+
+
 @functools.cache  # per CUfunction (so per device), block and shared memory
 def _resident_clusters(func: int, threads: int, shared: int, cluster: int) -> int | None:
     """Clusters of ``cluster`` CTAs along y of kernel ``func`` resident at once
@@ -1158,7 +1161,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         # against 6.6 us for one 128-row launch, results/define_ab_h200_m_chunks_28f41db.txt):
         # then at most splits - 1 segments.
         cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
-        resident = _resident_clusters(kern.kernel.ptr, threads, shared, cluster) if cluster else None
+        resident = (_resident_clusters(kern.kernel.ptr, threads, shared, cluster)
+                    if cluster and _CLUSTER_RESIDENCY else None)
         if resident is None or resident * cluster >= ctas or cap == 2:
             break
         cap = splits - 1
