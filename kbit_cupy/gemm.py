@@ -755,6 +755,13 @@ def has_wgmma() -> bool:
 #   1.29x cuBLAS at M = 17..32: NOTES-gemm.md). Small layers of 2^22..2^24
 #   weights keep the earlier row (the cluster split to 64 rows): not measured
 #   (2048x2048 on wgmma at k = 4 ran 0.65-0.77x cuBLAS at 17..64 rows).
+#   Since M chunks (_wg_m_chunks: 65..256 rows as 64-row chunks along grid z
+#   of one launch), wgmma to 256 rows there: against dequantize + cuBLAS
+#   (0.72-0.78x cuBLAS) on the H200, in one process
+#   (results/define_ab_h200_m_chunks_residency_f64540b.txt, k 2..5, fp16), it
+#   ran 0.66-0.99x cuBLAS at 129..256 rows, faster than dequantize + cuBLAS
+#   at every point, and 0.74-1.04x at 65..128 (3-13% faster than one 128-row
+#   launch at k = 3..5; k = 2 within 3% either way).
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -802,7 +809,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
     DispatchRule(True, "mid", 64, 256),
-    DispatchRule(True, "small", 16, 128, max_weights=1 << 22, lat_max=16),
+    DispatchRule(True, "small", 16, 256, max_weights=1 << 22, lat_max=16),
     DispatchRule(True, "small", 64, 64, lat_max=16, cl_max=64),  # (not measured since the above)
     # other GPUs: mma, then dequantize + cuBLAS
     DispatchRule(False, "widest", 192, 0),

@@ -702,7 +702,7 @@ def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
     (test_small_layers_take_wgmma_at_17_to_128_rows)."""
     from kbit_cupy.gemm import _layer_class
 
-    if (wgmma and 16 < M <= 128 and _layer_class(N, K_dim, k, True) == "small"
+    if (wgmma and 16 < M <= 256 and _layer_class(N, K_dim, k, True) == "small"
             and N * K_dim < 1 << 22):
         return True
     large = wgmma and 8 < M <= 16 and (N >= 16384 or K_dim >= 8192)
