@@ -42,13 +42,16 @@ if args.only:
     fused = tuple(f for f in fused if f == args.only)
 shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),
           (1, 768, 14336), (64, 17, 4096), (33, 8449, 256), (64, 1024, 4096), (128, 700, 1024),
-          (200, 96, 64)]
+          (200, 96, 64),
+          (100, 770, 2048), (256, 520, 288)]  # wgmma: M chunks (gemm._wg_m_chunks) in clusters
 if args.quick:
-    shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96), (128, 700, 1024)]
+    shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96), (128, 700, 1024),
+                           (256, 520, 288)]
 count = 0
 if args.large_m:
     from kbit_cupy import gemm
 
+    gemm._WG_M_CHUNKS = 0  # the 129..256-row launches themselves, not 64-row chunks
     for slack in (0.5, -10**6):  # the default choice, forced stream-K
         gemm._STREAM_K_SLACK = slack
         quick = args.quick  # racecheck: k=4, fp16, E4M4, two shapes
