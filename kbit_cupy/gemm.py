@@ -1076,6 +1076,7 @@ def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int) -> int:
 # (or, past 128 rows, dequantize + cuBLAS). 0: never (A/B runs).
 _WG_M_CHUNKS = 1
 _WG_CHUNK_M_TILES = 8  # n8 tiles of a chunk
+_WG_CHUNK_ONE_PER_SM = 0  # experiment: split chunks for one CTA per SM (A/B runs)
 _WG_MAX_CHUNKS = 4
 
 
@@ -1158,9 +1159,10 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
     # M chunks: every chunk's groups count (each CTA one segment of one
     # chunk's group, so the kernel's per-chunk ranges are whole segments)
+    slots = _sm_count() * (1 if chunks > 1 and _WG_CHUNK_ONE_PER_SM else per_sm)
     while True:
-        group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
-                                                _sm_count(), cap, chunks > 1)
+        group_units, ctas, splits = _work_split(groups * chunks, kt_n, slots, _sm_count(), cap,
+                                                chunks > 1)
         # The split assumes every CTA resident at once. A GPC holds whole
         # clusters only, so fewer clusters of `splits` CTAs may be resident
         # than SMs x CTAs per SM allow (2048x512 at 65..128 rows in two chunks,
