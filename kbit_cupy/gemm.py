@@ -1076,18 +1076,28 @@ def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int) -> int:
 # (or, past 128 rows, dequantize + cuBLAS). 0: never (A/B runs).
 _WG_M_CHUNKS = 1
 _WG_CHUNK_M_TILES = 8  # n8 tiles of a chunk
-_WG_CHUNK_ONE_PER_SM = 0  # experiment: split chunks for one CTA per SM (A/B runs)
+# At 65..128 rows only from this k: k = 2 and 3 (no shared-memory table at
+# one warpgroup; cheap decode) lose 1-6.6% in chunks against one 128-row
+# launch on 2048x768 and 2048x512 at 96..128 rows on the H100 (2-3% on the
+# H200), win up to 5% on 768x2048; k = 4 (its PRMT table fits beside 64-row
+# stages only) wins 5-9% everywhere, k = 5 0..10%
+# (results/define_ab_h{100,200}_m_chunks_*). Beyond 128 rows chunks win at
+# every k (one launch against two, or dequantize + cuBLAS).
+_WG_CHUNKS_TO_128_MIN_K = 4
 _WG_MAX_CHUNKS = 4
 
 
 def _wg_m_chunks(M: int, k: int, N: int, K_dim: int) -> int:
     """Chunks of _WG_CHUNK_M_TILES n8 tiles along grid z for a Hopper-path
-    launch of ``M`` rows (1: none): 2.._WG_MAX_CHUNKS where a chunk's launch
+    launch of ``M`` rows (1: none; at 65..128 rows also 1 below
+    _WG_CHUNKS_TO_128_MIN_K): 2.._WG_MAX_CHUNKS where a chunk's launch
     takes one warpgroup a CTA (_wg_warpgroups: a small layer) and can split K
     in clusters (its CTAs then reduce without the workspace, whose slots and
     counters the kernel also keeps per chunk)."""
     rows = 8 * _WG_CHUNK_M_TILES
     if not (_WG_M_CHUNKS and rows < M <= rows * _WG_MAX_CHUNKS):
+        return 1
+    if M <= 2 * rows and k < _WG_CHUNKS_TO_128_MIN_K:
         return 1
     rt_n, kt_n = _tile_counts(N, K_dim)
     if _wg_warpgroups(_WG_CHUNK_M_TILES, k, rt_n, kt_n) != 1 or not _wg_cluster_capable(True, 1, 128):
@@ -1159,10 +1169,9 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
     # M chunks: every chunk's groups count (each CTA one segment of one
     # chunk's group, so the kernel's per-chunk ranges are whole segments)
-    slots = _sm_count() * (1 if chunks > 1 and _WG_CHUNK_ONE_PER_SM else per_sm)
     while True:
-        group_units, ctas, splits = _work_split(groups * chunks, kt_n, slots, _sm_count(), cap,
-                                                chunks > 1)
+        group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
+                                                _sm_count(), cap, chunks > 1)
         # The split assumes every CTA resident at once. A GPC holds whole
         # clusters only, so fewer clusters of `splits` CTAs may be resident
         # than SMs x CTAs per SM allow (2048x512 at 65..128 rows in two chunks,

@@ -373,19 +373,22 @@ def test_cluster_geometry_against_its_run(gpu):
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_small_layers_take_wgmma_at_17_to_128_rows(gpu):
-    # The small layers (2048x768, 768x2048, 2048x512) at 17..128 rows (sm_90):
-    # the Hopper path at one warpgroup a CTA with split K in clusters. At every
-    # point of the runs on each GPU (latency_kernel.py, k 2..5, kernel-only,
-    # one process; fp16, and bf16 on the H100) auto picks wgmma, within
-    # _SMALL_WORST of the fastest of wgmma, the cluster split and mma; beyond
-    # 128 rows dequantize + cuBLAS.
+def test_small_layers_take_wgmma_at_17_to_256_rows(gpu):
+    # The small layers (2048x768, 768x2048, 2048x512) at 17..256 rows (sm_90):
+    # the Hopper path at one warpgroup a CTA with split K in clusters, from 65
+    # rows in 64-row chunks along grid z (gemm._wg_m_chunks). At every point
+    # of the runs on each GPU (latency_kernel.py, k 2..5, kernel-only, one
+    # process; fp16, and bf16 on the H100) auto picks wgmma: at 17..128 rows
+    # within _SMALL_WORST of the fastest of wgmma, the cluster split and mma;
+    # at 129..256 no slower than dequantize + cuBLAS (within _CHUNKS_WORST:
+    # the runs' noise). Beyond 256 rows dequantize + cuBLAS.
     from kbit_cupy.gemm import choose_kernel
 
     runs = _committed_runs(f"latency_{gpu}_small_wg_cluster_*.json")
-    assert runs
+    chunk_runs = _committed_runs(f"latency_{gpu}_small_chunks_*.json")
+    assert runs and chunk_runs
     # Up to 2^22 weights (the rows measured since); above, the cluster split to 64 rows
-    for M in (17, 64, 65, 128):
+    for M in (17, 64, 65, 128, 256):
         assert choose_kernel(M, 1024, 3072, 4, "float16", wgmma=True) == "wgmma"
         assert choose_kernel(M, 2048, 2048, 4, "float16", wgmma=True) == \
             ("cluster" if M <= 64 else "dequant")
@@ -402,12 +405,32 @@ def test_small_layers_take_wgmma_at_17_to_128_rows(gpu):
             if chosen == "wgmma":
                 worst = max(worst, t["wgmma"] / min(t.values()))
                 checked += 1
-            assert choose_kernel(129, N, K_dim, k, dtype, wgmma=True) == "dequant"
+            assert choose_kernel(257, N, K_dim, k, dtype, wgmma=True) == "dequant"
     assert checked >= 72, checked
     assert worst <= _SMALL_WORST, worst
+    checked, worst = 0, 1.0
+    for run in chunk_runs:
+        times = {}
+        for r in run["records"]:
+            if r["kernel"] in ("wgmma", "dequant"):
+                times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[
+                    r["kernel"]] = r["graph_us"]
+        for (K_dim, N, M, k, dtype), t in times.items():
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8 if gpu == "h200" else 3.35)
+            assert chosen == "wgmma", (K_dim, N, M, k, chosen)
+            if M > 128:
+                worst = max(worst, t["wgmma"] / t["dequant"])
+                checked += 1
+    assert checked >= 36, checked
+    assert worst <= _CHUNKS_WORST, worst
 
 
-# The worst points of test_small_layers_take_wgmma_at_17_to_128_rows: k = 2
+# 129..256 rows in M chunks against dequantize + cuBLAS: the closest points
+# are k = 5 on 768x2048 at 160 rows (H100 7.58 against 7.59 us at 5760f29).
+_CHUNKS_WORST = 1.03
+
+
+# The worst points of test_small_layers_take_wgmma_at_17_to_256_rows' first part: k = 2
 # and 5 on 768x2048 (three K tiles) at 17..48 rows, where the cluster split was
 # up to 5.3% faster (H200 k = 2 at M = 17, H100 bf16 k = 5 at M = 40).
 _SMALL_WORST = 1.06
@@ -467,7 +490,10 @@ def test_m_chunks_on_small_layers_only(monkeypatch):
     monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: True)
     for M, chunks in ((1, 1), (64, 1), (65, 2), (128, 2), (129, 3), (200, 4), (256, 4), (257, 1)):
         assert gemm._wg_m_chunks(M, 4, 768, 2048) == chunks, M
-    assert gemm._wg_m_chunks(128, 2, 2048, 768) == 2  # 768x2048
+    assert gemm._wg_m_chunks(128, 5, 2048, 768) == 2  # 768x2048
+    for k, chunks in ((2, 1), (3, 1), (4, 2), (5, 2)):  # k = 2, 3: one 128-row launch to 128 rows
+        assert gemm._wg_m_chunks(100, k, 768, 2048) == chunks, k
+        assert gemm._wg_m_chunks(129, k, 768, 2048) == 3, k
     assert gemm._wg_m_chunks(128, 4, 4096, 4096) == 1  # 16 x 16 units at four warpgroups
     assert gemm._wg_m_chunks(128, 4, 57344, 8192) == 1
     monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 0)
@@ -699,7 +725,7 @@ def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
     and (``k2``) k = 2 from 2^26 weights since its byte table, measured at
     5d0f7b0 by latency_kernel.py (the newest latency runs hold those points);
     on the small layers at M = 17..128 the Hopper path's split K in clusters
-    (test_small_layers_take_wgmma_at_17_to_128_rows)."""
+    (test_small_layers_take_wgmma_at_17_to_256_rows)."""
     from kbit_cupy.gemm import _layer_class
 
     if (wgmma and 16 < M <= 256 and _layer_class(N, K_dim, k, True) == "small"

@@ -289,6 +289,9 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
     for M in (65, 100, 128, 129, 200, 256):
         for N, K_dim in [(770, 2048), (2000, 768), (300, 1280), (520, 288)]:
             chunks = gemm._wg_m_chunks(M, k, N, K_dim)
+            if M <= 128 and k < gemm._WG_CHUNKS_TO_128_MIN_K:
+                assert chunks == 1  # one 128-row launch there (test_wgmma_split_k_in_clusters)
+                continue
             if chunks == 1:  # (a GPU of few SMs: not these launches)
                 continue
             assert chunks == math.ceil(M / 64), (M, N, K_dim, chunks)
@@ -306,7 +309,7 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
             assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
             checked += 1
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    assert checked >= 20 or sms < 132, checked
+    assert checked >= 12 or sms < 132, checked
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
