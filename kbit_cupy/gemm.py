@@ -761,7 +761,13 @@ def has_wgmma() -> bool:
 #   (results/define_ab_h200_m_chunks_residency_f64540b.txt, k 2..5, fp16), it
 #   ran 0.66-0.99x cuBLAS at 129..256 rows, faster than dequantize + cuBLAS
 #   at every point, and 0.74-1.04x at 65..128 (3-13% faster than one 128-row
-#   launch at k = 3..5; k = 2 within 3% either way).
+#   launch at k = 3..5; k = 2 within 3% either way). On the layers of 2^22
+#   weights (2048x2048, 4096x1024, 1024x4096; results/latency_h{100,200}_smallmid_chunks_6ad48e4_*)
+#   wgmma at 65..128 rows against dequantize + cuBLAS: H100 1-30% less time
+#   at every point (k 2..5), H200 the same but k = 2 on 4096x1024 at 128
+#   rows (1.5% more); at 129..256 (H200) mixed, down to 0.44x cuBLAS against
+#   0.58x. So wgmma at 65..128 from 2^22 to 2^23 weights (measured at 2^22
+#   only), the cluster split to 64 rows, dequantize + cuBLAS beyond.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -810,6 +816,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
     DispatchRule(True, "mid", 64, 256),
     DispatchRule(True, "small", 16, 256, max_weights=1 << 22, lat_max=16),
+    DispatchRule(True, "small", 64, 128, max_weights=1 << 23, lat_max=16, cl_max=64),
     DispatchRule(True, "small", 64, 64, lat_max=16, cl_max=64),  # (not measured since the above)
     # other GPUs: mma, then dequantize + cuBLAS
     DispatchRule(False, "widest", 192, 0),

@@ -391,7 +391,7 @@ def test_small_layers_take_wgmma_at_17_to_256_rows(gpu):
     for M in (17, 64, 65, 128, 256):
         assert choose_kernel(M, 1024, 3072, 4, "float16", wgmma=True) == "wgmma"
         assert choose_kernel(M, 2048, 2048, 4, "float16", wgmma=True) == \
-            ("cluster" if M <= 64 else "dequant")
+            ("cluster" if M <= 64 else "wgmma" if M <= 128 else "dequant")
     checked, worst = 0, 1.0
     for run in runs:
         times: dict[tuple, dict] = {}
@@ -422,6 +422,33 @@ def test_small_layers_take_wgmma_at_17_to_256_rows(gpu):
                 worst = max(worst, t["wgmma"] / t["dequant"])
                 checked += 1
     assert checked >= 36, checked
+    assert worst <= _CHUNKS_WORST, worst
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_small_layers_of_2_22_weights_take_wgmma_at_65_to_128_rows(gpu):
+    # 2048x2048, 4096x1024, 1024x4096 (latency_kernel.py, k 2..5 on the H100,
+    # 2, 4, 5 on the H200, fp16, kernel-only, one process): at 65..128 rows
+    # auto picks wgmma, no slower than dequantize + cuBLAS (within
+    # _CHUNKS_WORST); beyond 128 rows dequantize + cuBLAS.
+    from kbit_cupy.gemm import choose_kernel
+
+    runs = _committed_runs(f"latency_{gpu}_smallmid_chunks_*.json")
+    assert runs
+    checked, worst = 0, 1.0
+    for run in runs:
+        times: dict[tuple, dict] = {}
+        for r in run["records"]:
+            if r["kernel"] in ("wgmma", "dequant"):
+                times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[
+                    r["kernel"]] = r["graph_us"]
+        for (K_dim, N, M, k, dtype), t in times.items():
+            chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8 if gpu == "h200" else 3.35)
+            assert chosen == ("wgmma" if M <= 128 else "dequant"), (K_dim, N, M, k, chosen)
+            if M <= 128:
+                worst = max(worst, t["wgmma"] / t["dequant"])
+                checked += 1
+    assert checked >= 18, checked
     assert worst <= _CHUNKS_WORST, worst
 
 
@@ -724,12 +751,16 @@ def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
     bandwidth, measured again at bc79e7a (test_k4_dispatch_at_9_to_16_rows_...),
     and (``k2``) k = 2 from 2^26 weights since its byte table, measured at
     5d0f7b0 by latency_kernel.py (the newest latency runs hold those points);
-    on the small layers at M = 17..128 the Hopper path's split K in clusters
-    (test_small_layers_take_wgmma_at_17_to_256_rows)."""
+    on the small layers below 2^22 weights at M = 17..256 the Hopper path's
+    split K in clusters and M chunks (test_small_layers_take_wgmma_at_17_to_256_rows),
+    from 2^22 to 2^23 at 65..128 (test_small_layers_of_2_22_weights_take_wgmma_at_65_to_128_rows)."""
     from kbit_cupy.gemm import _layer_class
 
     if (wgmma and 16 < M <= 256 and _layer_class(N, K_dim, k, True) == "small"
             and N * K_dim < 1 << 22):
+        return True
+    if (wgmma and 64 < M <= 128 and _layer_class(N, K_dim, k, True) == "small"
+            and N * K_dim < 1 << 23):
         return True
     large = wgmma and 8 < M <= 16 and (N >= 16384 or K_dim >= 8192)
     return large and (k == 4 or (k2 and k == 2 and N * K_dim >= 1 << 26))
