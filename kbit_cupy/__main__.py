@@ -9,10 +9,12 @@ of an unexpected error instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -97,13 +99,29 @@ def _gpu_rates(W, packed, absmax, cb, k, y):
     return moved / tq, (packed.nbytes + absmax.nbytes + out.nbytes) / td
 
 
+@contextlib.contextmanager
+def _compile_bar(total: int):
+    """A tqdm bar over the compile check's variants on stderr where it is a terminal."""
+    if not sys.stderr.isatty():
+        yield types.SimpleNamespace(update=lambda n=1: None)
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="variant", file=sys.stderr, dynamic_ncols=True) as bar:
+        yield bar
+
+
 def cmd_compile_check(args) -> int:
     """Compile every kernel variant offline (no GPU) and fail on errors or spills."""
     from . import _jit
 
     archs = args.arch or ["sm_80", "sm_90a"]
+    total = sum(len(_jit.variants_for(a)) for a in archs)
     try:
-        results = _jit.compile_check(archs)
+        # a bar on stderr where it is a terminal (each variant is its own
+        # NVRTC program, as at run time: a few minutes on two CPUs)
+        with _compile_bar(total) as bar:
+            results = _jit.compile_check(archs, jobs=args.jobs, on_result=lambda r: bar.update())
     except Exception as exc:  # noqa: BLE001 - NVRTC missing is a failed check
         print(f"{PROG} compile-check: error: could not run NVRTC ({_one_line(exc)}); install "
               "the test extra: pip install -e '.[test]'", file=sys.stderr)
@@ -221,6 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="force the NumPy path")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("compile-check", help=cmd_compile_check.__doc__)
+    p.add_argument("--jobs", type=int_in(1, 256), default=None,
+                   help="NVRTC compiles at once (default: the CPUs)")
     p.add_argument("--arch", action="append", help="sm_80, sm_90a, ... (repeatable)")
     p.set_defaults(func=cmd_compile_check)
     p = sub.add_parser("info", help=cmd_info.__doc__)

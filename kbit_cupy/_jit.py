@@ -111,7 +111,7 @@ def all_variants() -> list[Variant]:
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
                     for m_tiles in gemm_wg_m_tiles(k, scale):
-                        wgs = gemm_wg_warpgroups(m_tiles, k)
+                        wgs = gemm_wg_warpgroups(m_tiles, k, scale)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs)))
                         if m_tiles in GEMM_WG_FILL_M_TILES:  # one warpgroup (gemm._wg_warpgroups)
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 1)))
@@ -227,17 +227,24 @@ def gemm_wg_shared_bytes(m_tiles: int, wgs: int, itemsize: int) -> int:
     return 3 * 8 * m_tiles * 256 * itemsize + 1024
 
 
-def gemm_wg_warpgroups(m_tiles: int, k: int) -> int:
-    """Warpgroups per CTA of the wgmma variant (gemm_mma<k, ..., m_tiles, 1, WG>).
+def gemm_wg_warpgroups(m_tiles: int, k: int, scale: str = "uint8") -> int:
+    """Warpgroups per CTA of the wgmma variant (gemm_mma<k, ..., m_tiles, 1, WG>)
+    for ``k``, ``m_tiles`` n8 tiles and the scale dtype name.
 
     As many as the registers allow without spills (launch bounds 128 * WG
     threads): measured on the H100 at 90e40ee, three beat two by 10-25% at
     M = 128 on the large layers and four beat two by 5-10% at M = 64. k = 5
-    with 8 n8 tiles spills 20 bytes at four.
+    with 8 n8 tiles spills 20 bytes at four. With float16 scales (their
+    wider scale words) one fewer where the uint8 count spills when the
+    variant is compiled alone, as the runtime compiles it: k = 4 at 8 n8
+    tiles (16 bytes at four) and k = 5 at 16 (16 bytes at three).
     """
     if m_tiles > 16:  # 96 or 128 accumulators per thread
         return 2
-    return 3 if m_tiles == 16 or (k == 5 and m_tiles == 8) else 4
+    wgs = 3 if m_tiles == 16 or (k == 5 and m_tiles == 8) else 4
+    if scale == "float16" and ((k == 4 and m_tiles == 8) or (k == 5 and m_tiles == 16)):
+        wgs -= 1
+    return wgs
 
 
 def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
@@ -425,38 +432,57 @@ def _parse_ptxas(log: str) -> dict[str, dict]:
     return stats
 
 
-def compile_check(archs: list[str], variants: list[Variant] | None = None) -> list[CompileResult]:
+def compile_check(archs: list[str], variants: list[Variant] | None = None,
+                  jobs: int | None = None, on_result=None) -> list[CompileResult]:
     """Compile every variant for each arch with NVRTC, no GPU needed.
 
-    One NVRTC program per (family, arch) with all of that family's variants as
-    name expressions, the same source and options the runtime uses (plus the
-    options CuPy adds: ``-ftz=true`` and the arch) and ``--ptxas-options=-v``.
+    Each variant is its own NVRTC program with one name expression, as
+    ``get_kernel`` builds it at run time: the same source and options (plus
+    the options CuPy adds: ``-ftz=true`` and the arch) and
+    ``--ptxas-options=-v``. One program per family with every variant in it
+    compiled differently: NVVM inlines by call count across the program, so
+    a variant could spill alone (as it runs) and not there (k = 4 with
+    float16 scales at 8 n8 tiles and four warpgroups: 16 bytes alone, none in
+    the family's program). ``jobs`` processes compile at once (default: the
+    CPUs); ``on_result(result)`` is called as each finishes (progress).
+    Results come in the order of ``archs`` x ``variants``.
     """
+    import concurrent.futures
+    import os
+
     variants = variants or all_variants()
-    results: list[CompileResult] = []
-    families = sorted({v.family for v in variants})
-    for arch in archs:
-        for family in families:
-            members = [v for v in variants if v.family == family
-                       and (arch == "sm_90a" or not needs_sm90a(v.family, v.args))]
-            if not members:
-                continue
-            options = [*compile_options(), "-ftz=true", f"-arch={arch}", "--ptxas-options=-v"]
-            ok, log, lowered = _nvrtc_compile(render_source(family), [v.name for v in members], options)
-            stats = _parse_ptxas(log)
-            for v in members:
-                if not ok:
-                    results.append(CompileResult(v, arch, False, log=log))
-                    continue
-                st = stats.get(lowered.get(v.name, ""), None)
-                if st is None:
-                    results.append(CompileResult(v, arch, False, log="no ptxas report for kernel"))
-                    continue
-                problems = _variant_problems(v, st, log, lowered.get(v.name, ""))
-                results.append(
-                    CompileResult(v, arch, not problems, st["registers"], st["spill"],
-                                  st["stack"], st["smem"], log="; ".join(problems))
-                )
+    tasks = [(v, arch) for arch in archs for v in variants
+             if arch == "sm_90a" or not needs_sm90a(v.family, v.args)]
+    sources = {v.family: render_source(v.family) for v, _ in tasks}
+    base = [*compile_options(), "-ftz=true", "--ptxas-options=-v"]
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    results: list[CompileResult | None] = [None] * len(tasks)
+
+    def finish(i: int, ok: bool, log: str, lowered: dict) -> None:
+        v, arch = tasks[i]
+        st = _parse_ptxas(log).get(lowered.get(v.name, ""), None) if ok else None
+        if not ok:
+            r = CompileResult(v, arch, False, log=log)
+        elif st is None:
+            r = CompileResult(v, arch, False, log="no ptxas report for kernel")
+        else:
+            problems = _variant_problems(v, st, log, lowered.get(v.name, ""))
+            r = CompileResult(v, arch, not problems, st["registers"], st["spill"], st["stack"],
+                              st["smem"], log="; ".join(problems))
+        results[i] = r
+        if on_result is not None:
+            on_result(r)
+
+    args = [(sources[v.family], [v.name], [*base, f"-arch={arch}"]) for v, arch in tasks]
+    if jobs == 1 or len(tasks) == 1:
+        for i, a in enumerate(args):
+            finish(i, *_nvrtc_compile(*a))
+    else:
+        # processes, not threads: NVRTC holds the GIL for most of a compile
+        with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+            futures = {pool.submit(_nvrtc_compile, *a): i for i, a in enumerate(args)}
+            for fut in concurrent.futures.as_completed(futures):
+                finish(futures[fut], *fut.result())
     return results
 
 

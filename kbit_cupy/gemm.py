@@ -497,6 +497,12 @@ class _GemmPlan:
         self.choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, dtype)
         if self.choice == "cluster" and kernel == "auto" and not _launch.cluster_launch_supported():
             self.choice = "mma"  # sm_90 but a driver without cuLaunchKernelEx
+        if (self.choice == "wgmma" and kernel == "auto" and M > 128
+                and _layer_class(N, K_dim, weight.k, True) == "small"
+                and _wg_m_chunks(M, weight.k, N, K_dim, weight.absmax.dtype.name) == 1):
+            # the table's small-layer wgmma rows past 128 rows were measured in
+            # M chunks; without them (no clusters) what ran there before
+            self.choice = "dequant"
         self.launches = []  # (Launch, first row, rows, tensor-map n8 tiles or 0)
         self.scratch = None
         self.single = None
@@ -525,11 +531,11 @@ class _GemmPlan:
             # rows per launch; the 129..256-row launches load A through a tensor
             # map, and their setmaxnreg budgets need the register count ptxas gave
             step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
-            if M > step and _tensor_maps_available() and _slab_launch_ok(weight, dtype.name):
-                step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
-            chunks = _wg_m_chunks(M, weight.k, N, K_dim)
+            chunks = _wg_m_chunks(M, weight.k, N, K_dim, weight.absmax.dtype.name)
             if chunks > 1:
                 step = M  # one launch, its chunks along grid z
+            elif M > step and _tensor_maps_available() and _slab_launch_ok(weight, dtype.name):
+                step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
         elif self.choice == "cluster":
             step = M  # one launch: its M chunks run along grid y
         else:
@@ -1041,13 +1047,13 @@ _K3_WIDE = 0
 _K5_TABLE = 1
 
 
-def _wg_warpgroups(m_tiles: int, k: int, rt_n: int, kt_n: int) -> int:
+def _wg_warpgroups(m_tiles: int, k: int, rt_n: int, kt_n: int, scale: str = "uint8") -> int:
     """Warpgroups per CTA of the Hopper path: as many as the registers allow
     (_jit.gemm_wg_warpgroups), or one where that many leave SMs without a
     (group, K tile) unit, at _jit.GEMM_WG_FILL_M_TILES n8 tiles (_WG_FILL).
     A CTA's warpgroups share one group of row tiles, so on 2048x768 (48 row
     tiles, 8 K tiles) four warpgroups make 24 units and one makes 96."""
-    wgs = _jit.gemm_wg_warpgroups(m_tiles, k)
+    wgs = _jit.gemm_wg_warpgroups(m_tiles, k, scale)
     if (_WG_FILL and m_tiles in _jit.GEMM_WG_FILL_M_TILES
             and math.ceil(rt_n / (4 * wgs)) * kt_n < _sm_count()):
         return 1
@@ -1094,7 +1100,7 @@ _WG_CHUNKS_TO_128_MIN_K = 4
 _WG_MAX_CHUNKS = 4
 
 
-def _wg_m_chunks(M: int, k: int, N: int, K_dim: int) -> int:
+def _wg_m_chunks(M: int, k: int, N: int, K_dim: int, scale: str = "uint8") -> int:
     """Chunks of _WG_CHUNK_M_TILES n8 tiles along grid z for a Hopper-path
     launch of ``M`` rows (1: none; at 65..128 rows also 1 below
     _WG_CHUNKS_TO_128_MIN_K): 2.._WG_MAX_CHUNKS where a chunk's launch
@@ -1102,12 +1108,13 @@ def _wg_m_chunks(M: int, k: int, N: int, K_dim: int) -> int:
     in clusters (its CTAs then reduce without the workspace, whose slots and
     counters the kernel also keeps per chunk)."""
     rows = 8 * _WG_CHUNK_M_TILES
-    if not (_WG_M_CHUNKS and rows < M <= rows * _WG_MAX_CHUNKS):
-        return 1
+    if not (_WG_M_CHUNKS and not _WG_WARPGROUPS and rows < M <= rows * _WG_MAX_CHUNKS):
+        return 1  # (_WG_WARPGROUPS: an A/B run's warpgroups, no chunks)
     if M <= 2 * rows and k < _WG_CHUNKS_TO_128_MIN_K:
         return 1
     rt_n, kt_n = _tile_counts(N, K_dim)
-    if _wg_warpgroups(_WG_CHUNK_M_TILES, k, rt_n, kt_n) != 1 or not _wg_cluster_capable(True, 1, 128):
+    if (_wg_warpgroups(_WG_CHUNK_M_TILES, k, rt_n, kt_n, scale) != 1
+            or not _wg_cluster_capable(True, 1, 128)):
         return 1
     return math.ceil(M / rows)
 
@@ -1115,13 +1122,23 @@ def _wg_m_chunks(M: int, k: int, N: int, K_dim: int) -> int:
 _CLUSTER_RESIDENCY = 1  # _plan_launch's split within the resident clusters (0: not, A/B runs)
 
 
-@functools.cache  # per CUfunction (so per device), block and shared memory
-def _resident_clusters(func: int, threads: int, shared: int, cluster: int) -> int | None:
-    """Clusters of ``cluster`` CTAs along y of kernel ``func`` resident at once
-    (cuOccupancyMaxActiveClusters; None where the driver cannot say)."""
-    probe = types.SimpleNamespace(func=func, grid=(1, cluster, 1), block=(threads, 1, 1),
-                                  shared=shared, argv=None)  # what PdlLaunch reads of a Launch
-    return _launch.PdlLaunch(probe, pdl=False, cluster=cluster, cluster_axis=1).max_active_clusters()
+def _resident_clusters(kern, threads: int, shared: int, cluster: int) -> int | None:
+    """Clusters of ``cluster`` CTAs along y of ``kern`` (a loaded RawKernel,
+    its dynamic shared memory opted in: launch_ctas_per_sm) resident at once
+    (cuOccupancyMaxActiveClusters; None where the driver cannot say, not
+    kept). Keyed by the kernel object, as launch_ctas_per_sm is."""
+    key = (kern, threads, shared, cluster)
+    found = _cluster_cache.get(key)
+    if found is None:
+        probe = types.SimpleNamespace(func=kern.kernel.ptr, grid=(1, cluster, 1), block=(threads, 1, 1),
+                                      shared=shared, argv=None)  # what PdlLaunch reads of a Launch
+        found = _launch.PdlLaunch(probe, pdl=False, cluster=cluster, cluster_axis=1).max_active_clusters()
+        if found is not None:
+            _cluster_cache[key] = found
+    return found
+
+
+_cluster_cache: dict[tuple, int] = {}
 
 
 def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunks: int = 1):
@@ -1136,7 +1153,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     if wg:
         m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)
                        if 8 * t >= (M if chunks == 1 else 8 * _WG_CHUNK_M_TILES))
-        wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n)
+        wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n, weight.absmax.dtype.name)
         if chunks > 1 and (wgs != 1 or m_tiles != _WG_CHUNK_M_TILES):
             raise AssertionError("M chunks need one warpgroup at the chunk's n8 tiles")
         per_warp, warps = 1, 4 * wgs
@@ -1186,11 +1203,11 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         # against 6.6 us for one 128-row launch, results/define_ab_h200_m_chunks_28f41db.txt):
         # then at most splits - 1 segments.
         cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
-        resident = (_resident_clusters(kern.kernel.ptr, threads, shared, cluster)
+        resident = (_resident_clusters(kern, threads, shared, cluster)
                     if cluster and _CLUSTER_RESIDENCY else None)
-        if resident is None or resident * cluster >= ctas or cap == 2:
+        if resident is None or resident * cluster >= ctas:
             break
-        cap = splits - 1
+        cap = splits - 1  # (at 1: whole groups or stream-K, no clusters: the loop ends)
     units = groups * chunks * group_units
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
@@ -1430,7 +1447,7 @@ def _slab_launch_ok(weight: KbitWeight, dtype_name: str) -> bool:
         for m_tiles in _jit.gemm_wg_m_tiles(weight.k, scale):
             if m_tiles < _jit.GEMM_SLAB_MIN_M_TILES:
                 continue
-            wgs = _jit.gemm_wg_warpgroups(m_tiles, weight.k)
+            wgs = _jit.gemm_wg_warpgroups(m_tiles, weight.k, scale)
             kern = _jit.get_kernel("gemm_mma", weight.k, dtype_name, scale, m_tiles, 1, wgs)
             found = found and kern.num_regs == _jit.gemm_wg_entry_regs(m_tiles, wgs)
         _slab_ok_cache[key] = found

@@ -505,6 +505,58 @@ def test_small_launches_take_one_warpgroup_and_clusters(monkeypatch):
     assert _jit.gemm_prmt_table_bytes(5, 4, 4, False, 16) == _jit.BIG_PAIR_TABLE_BYTES
 
 
+def _chunk_plan(monkeypatch, M, N, K_dim, k, chunks, resident):
+    """_plan_launch's geometry for a Hopper-path launch in ``chunks`` M chunks
+    without a GPU: 132 SMs, one CTA per SM, clusters launchable, ``resident``
+    clusters of any size resident at once; kernels, buffers and the launch
+    object stand-ins that record what they are given."""
+    import types
+
+    from kbit_cupy import _jit, _launch, gemm
+
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: True)
+    monkeypatch.setattr(_jit, "get_kernel", lambda *a: types.SimpleNamespace(args=a))
+    monkeypatch.setattr(gemm, "launch_ctas_per_sm", lambda kern, threads, shared: 1)
+    monkeypatch.setattr(gemm, "_resident_clusters", lambda kern, threads, shared, size: resident(size))
+    sizes = {}
+    monkeypatch.setattr(gemm, "_workspace", lambda n, stream: sizes.setdefault("workspace", n))
+    monkeypatch.setattr(gemm, "_counters", lambda n, stream: sizes.setdefault("counters", n))
+    monkeypatch.setattr(_launch, "Launch", lambda kern, grid, block, shared, types_, values:
+                        types.SimpleNamespace(kern=kern, grid=grid, block=block, values=values))
+    weight = types.SimpleNamespace(shape=(N, K_dim), k=k, absmax=np.zeros(1, np.uint8),
+                                   _tiles=(None, None), codebook=None)
+    launch, map_tiles, cluster = gemm._plan_launch(M, weight, np.dtype(np.float16), True, 0, chunks)
+    return launch, map_tiles, cluster, sizes
+
+
+def test_m_chunk_launch_geometry(monkeypatch):
+    """A chunked launch (2048x768, k = 4, 256 rows: 4 chunks of 64 rows, 12
+    groups of 8 K tiles each): grid (groups, splits, chunks), every CTA one
+    whole segment of one chunk's group (q = K tiles per segment, rem 0), the
+    workspace and counters for every chunk; with fewer clusters resident than
+    the split needs, fewer segments, down to whole groups (no clusters)."""
+    launch, map_tiles, cluster, sizes = _chunk_plan(monkeypatch, 256, 768, 2048, 4, 4, lambda size: 1000)
+    assert launch.kern.args[4:] == (8, 1, 1) and map_tiles == 0  # 8 n8 tiles, one warpgroup, no map
+    groups, k_tiles = 12, 8
+    assert launch.grid == (groups, 2, 4) and cluster == 2  # 48 group-chunks x 2 on 132 SMs
+    q, rem = launch.values[11], launch.values[12]
+    assert (q, rem) == (k_tiles // 2, 0)
+    assert sizes["workspace"] == 2 * (groups * 2 * 4) * 4 * 8 * 32 * 4
+    assert sizes["counters"] == 48 * 4  # row tiles x chunks
+    # 65..128 rows: two chunks, four segments of two K tiles (96 CTAs)
+    launch, _, cluster, _ = _chunk_plan(monkeypatch, 100, 768, 2048, 4, 2, lambda size: 1000)
+    assert launch.grid == (groups, 4, 2) and cluster == 4 and launch.values[11] == 2
+    # 20 clusters of 4 or 3 resident (80 < 96 CTAs, 60 < 72), 60 of 2: two
+    # segments of four K tiles, 48 CTAs
+    resident = {4: 20, 3: 20, 2: 60}
+    launch, _, cluster, _ = _chunk_plan(monkeypatch, 100, 768, 2048, 4, 2, resident.get)
+    assert launch.grid == (groups, 2, 2) and cluster == 2 and launch.values[11] == 4
+    # no cluster resident: whole groups, no clusters
+    launch, _, cluster, _ = _chunk_plan(monkeypatch, 100, 768, 2048, 4, 2, lambda size: 0)
+    assert launch.grid == (groups, 1, 2) and cluster == 0 and launch.values[11] == k_tiles
+
+
 def test_m_chunks_on_small_layers_only(monkeypatch):
     """65..256 rows of a small layer run as 64-row chunks along grid z of one
     launch (gemm._wg_m_chunks), where a chunk takes one warpgroup and the GPU

@@ -285,7 +285,7 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
     from kbit_cupy import _launch, gemm
 
     needs_kernel("wgmma")
-    checked = 0
+    checked = clustered = 0
     for M in (65, 100, 128, 129, 200, 256):
         for N, K_dim in [(770, 2048), (2000, 768), (300, 1280), (520, 288)]:
             chunks = gemm._wg_m_chunks(M, k, N, K_dim)
@@ -298,6 +298,9 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
             w, A, C = run_case(M, N, K_dim, k, dtype, "wgmma", seed=N + M)
             plan = next(p for p in w._plans.values() if p.choice == "wgmma")
             assert len(plan.launches) == 1 and plan.launches[0][0].grid[2] == chunks, plan.launches
+            splits = plan.launches[0][0].grid[1]
+            assert plan.clusters == [splits if splits > 1 else 0], (plan.clusters, splits)
+            clustered += splits > 1
             again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
             with monkeypatch.context() as mp:
@@ -309,7 +312,27 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
             assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
             checked += 1
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    assert checked >= 12 or sms < 132, checked
+    # (k = 2, 3: 129..256 rows only, 12 cases; on 132 SMs 2000x768 there runs
+    # whole groups, no clusters)
+    assert (checked >= 12 and clustered >= 8) or sms < 132, (checked, clustered)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wgmma_float16_scales_take_fewer_warpgroups(dtype):
+    """float16 scales where their variant with the uint8 count of warpgroups
+    spills (_jit.gemm_wg_warpgroups): k = 4 at 8 n8 tiles on three
+    warpgroups, k = 5 at 16 on two, on a layer whose units fill the SMs (no
+    step down to one warpgroup); exact to the reference, every element
+    written."""
+    from kbit_cupy import _jit
+
+    needs_kernel("wgmma")
+    for k, M, wgs in ((4, 64, 3), (5, 128, 2)):
+        m_tiles = 8 if M == 64 else 16
+        assert _jit.gemm_wg_warpgroups(m_tiles, k, "float16") == wgs
+        w, _, _ = run_case(M, 2048, 4096, k, dtype, "wgmma", fmt="fp16", seed=k)
+        plan = next(p for p in w._plans.values() if p.choice == "wgmma")
+        assert plan.launches[0][0].block[0] == 128 * wgs, plan.launches[0][0].block
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
