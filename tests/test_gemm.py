@@ -160,6 +160,16 @@ def test_auto_dispatch_against_the_committed_sweep(wgmma):
     assert worst[True] <= 1.06 and worst[False] <= 1.10, worst
 
 
+def _kernel_times(run: dict, kernels: tuple) -> dict[tuple, dict]:
+    """A latency_kernel.py run's times (us) of ``kernels`` per (K_dim, N, M, k, dtype)."""
+    times: dict[tuple, dict] = {}
+    for r in run["records"]:
+        if r["kernel"] in kernels:
+            times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[
+                r["kernel"]] = r["graph_us"]
+    return times
+
+
 def _committed_runs(pattern: str) -> list[dict]:
     """The benchmark runs (JSON) under benchmarks/results/ whose names match ``pattern``."""
     import json
@@ -394,11 +404,7 @@ def test_small_layers_take_wgmma_at_17_to_256_rows(gpu):
             ("cluster" if M <= 64 else "wgmma" if M <= 128 else "dequant")
     checked, worst = 0, 1.0
     for run in runs:
-        times: dict[tuple, dict] = {}
-        for r in run["records"]:
-            if r["kernel"] in ("wgmma", "cluster", "mma"):
-                times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[
-                    r["kernel"]] = r["graph_us"]
+        times = _kernel_times(run, ("wgmma", "cluster", "mma"))
         for (K_dim, N, M, k, dtype), t in times.items():
             chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8 if gpu == "h200" else 3.35)
             assert chosen == ("wgmma" if 16 < M <= 128 else "latency"), (K_dim, N, M, k, chosen)
@@ -410,11 +416,7 @@ def test_small_layers_take_wgmma_at_17_to_256_rows(gpu):
     assert worst <= _SMALL_WORST, worst
     checked, worst = 0, 1.0
     for run in chunk_runs:
-        times = {}
-        for r in run["records"]:
-            if r["kernel"] in ("wgmma", "dequant"):
-                times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[
-                    r["kernel"]] = r["graph_us"]
+        times = _kernel_times(run, ("wgmma", "dequant"))
         for (K_dim, N, M, k, dtype), t in times.items():
             chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8 if gpu == "h200" else 3.35)
             assert chosen == "wgmma", (K_dim, N, M, k, chosen)
@@ -437,11 +439,7 @@ def test_small_layers_of_2_22_weights_take_wgmma_at_65_to_128_rows(gpu):
     assert runs
     checked, worst = 0, 1.0
     for run in runs:
-        times: dict[tuple, dict] = {}
-        for r in run["records"]:
-            if r["kernel"] in ("wgmma", "dequant"):
-                times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[
-                    r["kernel"]] = r["graph_us"]
+        times = _kernel_times(run, ("wgmma", "dequant"))
         for (K_dim, N, M, k, dtype), t in times.items():
             chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8 if gpu == "h200" else 3.35)
             assert chosen == ("wgmma" if M <= 128 else "dequant"), (K_dim, N, M, k, chosen)

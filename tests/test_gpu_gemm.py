@@ -224,6 +224,26 @@ def test_both_work_splits(monkeypatch, kernel, split, M):
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all()
 
 
+def _same_bits_again_and_without_clusters(monkeypatch, w, A, C):
+    """kbit_gemm(A, w, kernel="wgmma") gives C's bits again, and again through
+    the plan's fallback where the cluster does not fit (max_active_clusters
+    0: the split-K workspace), whose plan (no clusters) it returns."""
+    import cupy as cp
+
+    from kbit_cupy import _launch
+
+    again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
+    assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (A.shape, w.shape)
+    with monkeypatch.context() as mp:
+        mp.setattr(_launch.PdlLaunch, "max_active_clusters", lambda self: 0)
+        w._plans.clear()
+        plain = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
+        plain_plan = next(iter(w._plans.values()))
+        assert plain_plan.clusters == [0]
+    assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (A.shape, w.shape)
+    return plain_plan
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
@@ -236,7 +256,7 @@ def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
     fallback where the cluster does not fit: max_active_clusters 0)."""
     import cupy as cp
 
-    from kbit_cupy import _jit, _launch, gemm
+    from kbit_cupy import _jit, gemm
 
     needs_kernel("wgmma")
     monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 0)  # 65..128 rows in one chunk (see test_wgmma_m_chunks)
@@ -258,14 +278,7 @@ def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
             w, A, C = run_case(M, N, K_dim, k, dtype, "wgmma", seed=N + M)
             plan = next(p for p in w._plans.values() if p.choice == "wgmma")
             assert plan.clusters == [splits], (M, N, K_dim, plan.clusters)
-            again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
-            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-            with monkeypatch.context() as mp:
-                mp.setattr(_launch.PdlLaunch, "max_active_clusters", lambda self: 0)
-                w._plans.clear()
-                plain = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
-                assert next(iter(w._plans.values())).clusters == [0]
-            assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+            _same_bits_again_and_without_clusters(monkeypatch, w, A, C)
             checked += 1
     assert checked >= 12 or sms < 132, checked
 
@@ -282,7 +295,7 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
     per chunk."""
     import cupy as cp
 
-    from kbit_cupy import _launch, gemm
+    from kbit_cupy import gemm
 
     needs_kernel("wgmma")
     checked = clustered = 0
@@ -301,15 +314,8 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
             splits = plan.launches[0][0].grid[1]
             assert plan.clusters == [splits if splits > 1 else 0], (plan.clusters, splits)
             clustered += splits > 1
-            again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
-            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-            with monkeypatch.context() as mp:
-                mp.setattr(_launch.PdlLaunch, "max_active_clusters", lambda self: 0)
-                w._plans.clear()
-                plain = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
-                plain_plan = next(iter(w._plans.values()))
-                assert plain_plan.clusters == [0] and plain_plan.launches[0][0].grid[2] == chunks
-            assert (plain.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+            plain_plan = _same_bits_again_and_without_clusters(monkeypatch, w, A, C)
+            assert plain_plan.launches[0][0].grid[2] == chunks
             checked += 1
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (k = 2, 3: 129..256 rows only, 12 cases; on 132 SMs 2000x768 there runs
