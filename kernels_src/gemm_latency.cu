@@ -141,8 +141,16 @@ __device__ __forceinline__ void select_upper(const unsigned (&w)[4 * K], bool up
 // atomics, no dependent load, measured slower, and slowed the routed launches
 // too: moe_linear T=1 on 128 x [1536, 2048] 12.1 -> 14.1 us, H100,
 // moe_vs_grouped_mm_h100_7730d7a_*.)
+// KBIT_EXPERT_START_FROM_SCAN 1 (default): where one pass loads every end
+// (experts <= 8 blockDim), the owner's start offsets[e] (the end of expert
+// e - 1, or offsets[0], which thread 0 loads with its pass) comes from the
+// thread that loaded it, through shared memory and a second barrier, instead
+// of one more load that waits for the count; 0: that load (for A/B runs).
 #ifndef KBIT_EXPERT_OF_ROW_BATCHED
 #define KBIT_EXPERT_OF_ROW_BATCHED 1
+#endif
+#ifndef KBIT_EXPERT_START_FROM_SCAN
+#define KBIT_EXPERT_START_FROM_SCAN 1
 #endif
 __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, int experts, int r,
                                              int M) {
@@ -150,8 +158,11 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, in
 #if KBIT_EXPERT_OF_ROW_BATCHED
   constexpr int kBatch = 8;
   __shared__ int counts[32];  // per warp (blockDim.x <= 1024)
+  __shared__ int owner_start;
+  const bool one_pass = KBIT_EXPERT_START_FROM_SCAN && experts <= kBatch * (int)blockDim.x;
+  int end[kBatch] = {};  // (one pass: an index no thread matches where not loaded)
+  const int first = one_pass && threadIdx.x == 0 ? min(max(__ldg(offsets), 0), M) : 0;
   for (int i0 = (int)threadIdx.x; i0 < experts; i0 += kBatch * (int)blockDim.x) {
-    int end[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int i = i0 + b * (int)blockDim.x;
@@ -165,6 +176,20 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, in
   __syncthreads();
   e = 0;
   for (int w = 0; w < (int)(blockDim.x >> 5); ++w) e += counts[w];
+  if (one_pass) {  // (uniform) the clamped offsets[e] from the thread that holds it
+    if (e < experts) {
+      if (e == 0) {
+        if (threadIdx.x == 0) owner_start = first;
+      } else {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if ((int)threadIdx.x + b * (int)blockDim.x == e - 1) owner_start = end[b];
+      }
+    }
+    __syncthreads();
+    if (e < experts && owner_start > r) e = experts;  // unowned
+    return e;
+  }
 #else
   for (int i0 = 0; i0 < experts; i0 += blockDim.x) {
     const int i = i0 + (int)threadIdx.x;
