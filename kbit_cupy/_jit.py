@@ -491,10 +491,20 @@ def _variant_problems(v: Variant, st: dict, log: str, mangled: str) -> list[str]
     (C751x performance warnings, which name the function); for the
     warp-specialised wgmma variants a register count other than the entry cap
     that gemm_mma.cu's setmaxnreg budgets assume (else setmaxnreg.inc would
-    wait forever on the GPU)."""
+    wait forever on the GPU); for the launches whose dynamic shared memory
+    follows the static one unaligned (gemm_latency.cu aligns its stage to 128
+    bytes, gemm_mma.cu's mma.sync path does not; its Hopper path aligns to 1
+    KB itself) static shared memory that is not a multiple of 128 bytes: the
+    stage then starts off a 128-byte line, which made the latency launches
+    1.05-1.34x slower with the same SASS (H100 and H200,
+    benchmarks/results/*_smem_align*, *_smem_pad_*)."""
     problems = []
     if st["spill"]:
         problems.append(f"{st['spill']} bytes spilled")
+    wg = v.family == "gemm_mma" and len(v.args) >= 6 and v.args[5] > 0
+    if v.family in ("gemm_latency", "gemm_mma") and not wg and st["smem"] % 128:
+        problems.append(f"{st['smem']} bytes of static shared memory, not a multiple of 128: "
+                        "the dynamic stage after it would start off a 128-byte line")
     serial = [line for line in log.splitlines() if "C751" in line and mangled and mangled in line]
     if serial:
         problems.append("wgmma serialized: " + serial[0].split(")", 1)[-1].strip()[:160])

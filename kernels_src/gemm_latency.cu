@@ -64,6 +64,11 @@
 namespace kbit {
 
 constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WARPS)
+// The dynamic stage's alignment (bytes; see x_stage in the kernel; 16 only
+// for A/B runs, which lets it follow the static shared memory wherever that ends).
+#ifndef KBIT_LATENCY_STAGE_ALIGN
+#define KBIT_LATENCY_STAGE_ALIGN 128
+#endif
 
 // Phase stamps, for benchmarks/latency_phases.py only (it builds this file with
 // -DKBIT_LATENCY_PHASES; otherwise they compile to nothing): lane 0 of each warp
@@ -141,16 +146,8 @@ __device__ __forceinline__ void select_upper(const unsigned (&w)[4 * K], bool up
 // atomics, no dependent load, measured slower, and slowed the routed launches
 // too: moe_linear T=1 on 128 x [1536, 2048] 12.1 -> 14.1 us, H100,
 // moe_vs_grouped_mm_h100_7730d7a_*.)
-// KBIT_EXPERT_START_FROM_SCAN 1 (default): where one pass loads every end
-// (experts <= 8 blockDim), the owner's start offsets[e] (the end of expert
-// e - 1, or offsets[0], which thread 0 loads with its pass) comes from the
-// thread that loaded it, through shared memory and a second barrier, instead
-// of one more load that waits for the count; 0: that load (for A/B runs).
 #ifndef KBIT_EXPERT_OF_ROW_BATCHED
 #define KBIT_EXPERT_OF_ROW_BATCHED 1
-#endif
-#ifndef KBIT_EXPERT_START_FROM_SCAN
-#define KBIT_EXPERT_START_FROM_SCAN 1
 #endif
 __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, int experts, int r,
                                              int M) {
@@ -158,11 +155,8 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, in
 #if KBIT_EXPERT_OF_ROW_BATCHED
   constexpr int kBatch = 8;
   __shared__ int counts[32];  // per warp (blockDim.x <= 1024)
-  __shared__ int owner_start;
-  const bool one_pass = KBIT_EXPERT_START_FROM_SCAN && experts <= kBatch * (int)blockDim.x;
-  int end[kBatch] = {};  // (one pass: an index no thread matches where not loaded)
-  const int first = one_pass && threadIdx.x == 0 ? min(max(__ldg(offsets), 0), M) : 0;
   for (int i0 = (int)threadIdx.x; i0 < experts; i0 += kBatch * (int)blockDim.x) {
+    int end[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int i = i0 + b * (int)blockDim.x;
@@ -176,20 +170,6 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, in
   __syncthreads();
   e = 0;
   for (int w = 0; w < (int)(blockDim.x >> 5); ++w) e += counts[w];
-  if (one_pass) {  // (uniform) the clamped offsets[e] from the thread that holds it
-    if (e < experts) {
-      if (e == 0) {
-        if (threadIdx.x == 0) owner_start = first;
-      } else {
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b)
-          if ((int)threadIdx.x + b * (int)blockDim.x == e - 1) owner_start = end[b];
-      }
-    }
-    __syncthreads();
-    if (e < experts && owner_start > r) e = experts;  // unowned
-    return e;
-  }
 #else
   for (int i0 = 0; i0 < experts; i0 += blockDim.x) {
     const int i = i0 + (int)threadIdx.x;
@@ -285,7 +265,11 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // [rows][stride], then the partial tiles (below); CLUSTER: the partial tiles
   // first, at the same address in every CTA of the cluster (their staged
   // columns differ in number), then the rows.
-  extern __shared__ uint4 x_stage[];
+  // The stage starts on a 128-byte line, whatever the static shared memory
+  // before it: 16 bytes more static shared memory (656 instead of 640) put it
+  // off one and made the T = 1 MoE launches 1.11-1.34x slower on the H200 with
+  // the same SASS (moe_gap_probe_h200_smem_pad_*.txt).
+  extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
   uint4* const stage = CLUSTER ? x_stage + warps * M_TILES * 32 : x_stage;
   if constexpr (CLUSTER) {
     // A CTA's rows are short (often one K tile: 32 chunks) and many (up to
@@ -315,6 +299,10 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   asm volatile("cp.async.commit_group;\n" ::);
   __shared__ uint4 zero_row[32];  // what the ldmatrix lanes of rows past M read
   if (threadIdx.x < 32) zero_row[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+#if KBIT_LATENCY_SMEM_PAD  // A/B runs only: this many bytes (a multiple of 16) more static shared memory
+  __shared__ uint4 smem_pad[KBIT_LATENCY_SMEM_PAD / 16];
+  if (M < 0) reinterpret_cast<volatile unsigned*>(smem_pad)[threadIdx.x % (KBIT_LATENCY_SMEM_PAD / 4)] = 0u;
+#endif
 
   // Tables (as gemm_mma.cu's mma path): the (scale, scale) pair of an E4M4
   // code where it is not computed (bf16 with KBIT_BF16_ALU_SCALE=0), the pair table of

@@ -105,3 +105,19 @@ def test_dense_hopper_pair_table_where_gemm_py_adds_its_shared_memory(m_tiles):
     assert (res.smem_bytes < 1024) == (table > 0), (m_tiles, res.smem_bytes)
     assert table == (_jit.PRMT_TABLE_BYTES if m_tiles <= 8 else 0)
     assert res.smem_bytes + _jit.gemm_wg_shared_bytes(m_tiles, wgs, 2) + table <= 227 * 1024
+
+
+@pytest.mark.parametrize("family, args, smem, flagged", [
+    ("gemm_latency", (4, "float16", "uint8", 1), 656, True),
+    ("gemm_latency", (4, "float16", "uint8", 1), 640, False),
+    ("gemm_mma", (4, "float16", "uint8", 1, 1, 0), 8240, True),   # mma.sync: the stage follows
+    ("gemm_mma", (4, "float16", "uint8", 24, 1, 2), 1072, False),  # Hopper path: aligns itself
+    ("quantize", (4, "float16", "uint8", False), 48, False),
+])
+def test_static_shared_memory_off_a_128_byte_line_fails_the_check(family, args, smem, flagged):
+    """A launch whose dynamic stage follows its static shared memory fails the
+    compile check where that static part is not a multiple of 128 bytes (16
+    bytes more made gemm_latency's T = 1 launches up to 1.34x slower)."""
+    st = {"registers": 100, "spill": 0, "stack": 0, "smem": smem}
+    problems = _jit._variant_problems(_jit.Variant(family, args), st, "", "")
+    assert any("static shared memory" in p for p in problems) == flagged, problems
