@@ -9,7 +9,9 @@ warp write the global timer (ns) and its SM's clock at six points:
     3 the warp's K tiles decoded     7 the codebook arrived
       and multiplied
 (1, 6 and 7 are stamped after 2, in that order: each is when both that
-point and the ones before it were reached.)
+point and the ones before it were reached. With --define
+KBIT_LATENCY_PHASES_LOADS_FIRST=1 they are stamped before the staging's wait
+instead, so 1 is when the first tile itself arrived and 2 comes after them.)
 
 The public call (``kbit_gemm(..., kernel="latency")``, launch plan as the
 package makes it) runs in a CUDA graph of (256 MB overwrite, call), the
