@@ -24,6 +24,8 @@ parser.add_argument("--stream-k", action="store_true",
                     help="force the mma kernel's stream-K work split (CTAs ending two segments)")
 parser.add_argument("--only", choices=["mma", "wgmma", "latency", "cluster"],
                     help="one fused kernel (and no cuBLAS)")
+parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5],
+                    help="bit widths of the main sweep (racecheck of one kernel: --k 4 to fit a run)")
 parser.add_argument("--large-m", action="store_true",
                     help="wgmma launches of 129..256 rows only (warp-specialised, tensor copies), "
                          "both work splits")
@@ -83,7 +85,7 @@ if args.stream_k:  # the fused kernels only, on shapes whose CTAs cross group en
                     count += 1
     print(f"ran {count} cases")
     raise SystemExit(0)
-for k in (2, 3, 4, 5):
+for k in args.k:
     for fmt in ("e4m4", "fp16"):
         for dtype in (np.float16, BFLOAT16):
             for M, N, K_dim in shapes:
