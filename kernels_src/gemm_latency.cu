@@ -260,9 +260,9 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // 4096x4096 at k = 3..5 ran 13-16% slower at M = 1 and 4 (H200,
   // define_ab_h200_30aaba8_cb_first.txt); the small layers within 3%.
   // A's staging copies issued before this first weight tile instead of after
-  // it: 1-12% slower on the small and mid layers at M = 1..16, MoE T = 1 within
-  // 1.5% (H100, define_ab_h100_latency_a_first_2cc6094.txt), though the stamps
-  // show the staging done 0.2-0.5 us after the first tile at the median CTA.
+  // it: 0.88-0.98x on the small and mid layers at M = 4..16, 0.97-1.02x at M =
+  // 1, MoE T = 1 within 1.5% (H100, define_ab_h100_latency_a_first_2cc6094.txt),
+  // though the stamps show A staged 0.2-0.5 us after the first tile arrived.
   const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
   if (kw < warp_tiles) load_tile(kt_of(kw), w_s[0], raw_s[0]);
 
@@ -332,18 +332,19 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       if (i < kPairs * 8) pair_tab[i] = make_uint4(v, v, v, v);
     }
   }
-#ifdef KBIT_LATENCY_PHASES_LOADS_FIRST  // stamps only: the loads' arrival before the staging's wait
-  if (kw < warp_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
-  if (kw < warp_tiles) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
-  latency_phase_after(7, cb);  // the codebook
+  auto stamp_loads = [&]() {  // (stamped builds only)
+    if (kw < warp_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
+    if (kw < warp_tiles) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
+    latency_phase_after(7, cb);  // the codebook
+  };
+#ifdef KBIT_LATENCY_PHASES_LOADS_FIRST  // the loads' own arrival, before the staging's wait
+  stamp_loads();
 #endif
   asm volatile("cp.async.wait_group 0;\n" ::);
   __syncthreads();  // the staged rows, the zero row and the tables
   latency_phase(2);  // staging done
 #ifndef KBIT_LATENCY_PHASES_LOADS_FIRST
-  if (kw < warp_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
-  if (kw < warp_tiles) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
-  latency_phase_after(7, cb);  // the codebook
+  stamp_loads();
 #endif
 
   // ldmatrix: lane l gives the address of row 8mt + (l & 7), chunk 4j + (l >> 3)
