@@ -496,7 +496,7 @@ def _variant_problems(v: Variant, st: dict, log: str, mangled: str) -> list[str]
     bytes, gemm_mma.cu's mma.sync path does not; its Hopper path aligns to 1
     KB itself) static shared memory that is not a multiple of 128 bytes: the
     stage then starts off a 128-byte line, which made the latency launches
-    1.05-1.45x slower with the same SASS (H100 and H200,
+    up to 1.45x slower with the same SASS (H100 and H200,
     benchmarks/results/*_smem_align*, *_smem_pad_*)."""
     problems = []
     if st["spill"]:

@@ -271,8 +271,9 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // columns differ in number), then the rows.
   // The stage starts on a 128-byte line, whatever the static shared memory
   // before it: 16 bytes more static shared memory (656 instead of 640) put it
-  // off one and made the T = 1 MoE launches 1.11-1.34x slower on the H200 with
-  // the same SASS (moe_gap_probe_h200_smem_pad_*.txt).
+  // off one and made moe_linear's T = 1 launches 1.23-1.34x slower on the H200
+  // with the same SASS (moe_gap_probe_h200_smem_pad_*.txt), the dense launches
+  // up to 1.45x on the H100 (define_ab_h100_smem_align_*.txt).
   extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
   uint4* const stage = CLUSTER ? x_stage + warps * M_TILES * 32 : x_stage;
   if constexpr (CLUSTER) {
