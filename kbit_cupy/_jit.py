@@ -508,7 +508,7 @@ def _variant_problems(v: Variant, st: dict, log: str, mangled: str) -> list[str]
     serial = [line for line in log.splitlines() if "C751" in line and mangled and mangled in line]
     if serial:
         problems.append("wgmma serialized: " + serial[0].split(")", 1)[-1].strip()[:160])
-    if v.family == "gemm_mma" and len(v.args) >= 6 and v.args[5] > 0:
+    if wg:
         threads = gemm_wg_threads(v.args[3], v.args[5])
         if threads > 128 * v.args[5]:  # a producer warpgroup: setmaxnreg
             cap = gemm_wg_entry_regs(v.args[3], v.args[5])

@@ -497,9 +497,11 @@ class _GemmPlan:
         self.choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, dtype)
         if self.choice == "cluster" and kernel == "auto" and not _launch.cluster_launch_supported():
             self.choice = "mma"  # sm_90 but a driver without cuLaunchKernelEx
+        # M chunks of a Hopper-path launch (_wg_m_chunks; 1: none)
+        chunks = (_wg_m_chunks(M, weight.k, N, K_dim, weight.absmax.dtype.name)
+                  if self.choice == "wgmma" else 1)
         if (self.choice == "wgmma" and kernel == "auto" and M > 128
-                and _layer_class(N, K_dim, weight.k, True) == "small"
-                and _wg_m_chunks(M, weight.k, N, K_dim, weight.absmax.dtype.name) == 1):
+                and _layer_class(N, K_dim, weight.k, True) == "small" and chunks == 1):
             # the table's small-layer wgmma rows past 128 rows were measured in
             # M chunks; without them (no clusters) what ran there before
             self.choice = "dequant"
@@ -524,14 +526,12 @@ class _GemmPlan:
             return
         weight.prepare()
         wg = self.choice == "wgmma"
-        chunks = 1
         if self.choice == "latency":
             step = _latency_rows(K_dim, dtype.itemsize)
         elif wg:
             # rows per launch; the 129..256-row launches load A through a tensor
             # map, and their setmaxnreg budgets need the register count ptxas gave
             step = 8 * max(t for t in _jit.GEMM_WG_M_TILES if t < _jit.GEMM_SLAB_MIN_M_TILES)
-            chunks = _wg_m_chunks(M, weight.k, N, K_dim, weight.absmax.dtype.name)
             if chunks > 1:
                 step = M  # one launch, its chunks along grid z
             elif M > step and _tensor_maps_available() and _slab_launch_ok(weight, dtype.name):
