@@ -68,11 +68,12 @@ def probed_kernels(k: int, dtype_name: str, scale_name: str):
     return modules
 
 
-def stamps_view(module, ctas_cap: int, max_warps: int, points: int):
-    """The module's stamp array as a [ctas_cap, max_warps, points, 2] uint64 CuPy view."""
+def stamps_view(module, ctas_cap: int, max_warps: int, points: int,
+                symbol: str = "kbit_latency_phases"):
+    """The module's stamp array ``symbol`` as a [ctas_cap, max_warps, points, 2] uint64 CuPy view."""
     import cupy as cp
 
-    ptr = module.get_global("kbit_latency_phases")
+    ptr = module.get_global(symbol)
     n = ctas_cap * max_warps * points * 2
     mem = cp.cuda.UnownedMemory(ptr.ptr, n * 8, module)
     return cp.ndarray((ctas_cap, max_warps, points, 2), cp.uint64, cp.cuda.MemoryPointer(mem, 0))
@@ -113,17 +114,19 @@ def summarize(samples: list[np.ndarray]) -> dict:
     return out
 
 
-def phases(module, call, stream, replays: int, flush_kind: str = "overwrite"
+def phases(module, call, stream, replays: int, flush_kind: str = "overwrite",
+           symbol: str = "kbit_latency_phases", max_warps: int = 0
            ) -> tuple[dict, int, int]:
     """Stamps of ``replays`` graph replays of (256 MB overwrite, or read with
-    ``flush_kind`` "read", then ``call()``, the latency launch): (summarize's
-    medians, CTAs, warps per CTA)."""
+    ``flush_kind`` "read", then ``call()``, the stamped launch): (summarize's
+    medians, CTAs, warps per CTA). ``symbol``, ``max_warps``: the module's
+    stamp array and its warps per CTA (default: gemm_latency.cu's)."""
     import cupy as cp
 
     from kbit_cupy import _jit
     from kbit_cupy.bench import harness
 
-    view = stamps_view(module, 2048, _jit.GEMM_LATENCY_MAX_WARPS, 8)
+    view = stamps_view(module, 2048, max_warps or _jit.GEMM_LATENCY_MAX_WARPS, 8, symbol)
     samples = []
     with stream:
         flush = (harness.read_flusher(harness.DEFAULT_FLUSH_BYTES) if flush_kind == "read"

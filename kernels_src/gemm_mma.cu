@@ -219,6 +219,42 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
 constexpr int kMaxClusterSplits = 8;
 
+// Phase stamps, for benchmarks/mma_phases.py only (it builds this file with
+// -DKBIT_MMA_PHASES; otherwise they compile to nothing): lane 0 of each warp
+// of the first kMmaPhaseCtas CTAs (linear index over x, y, z) writes the
+// global timer (ns) and its SM's clock at point p to
+// kbit_mma_phases[cta][warp][p][0, 1] (points: benchmarks/mma_phases.py).
+// mma_phase_after first stores `dep` (a loaded word) to a sink, so the stamp
+// comes after that load's data arrived.
+constexpr int kMmaPhaseCtas = 2048, kMmaPhaseWarps = 16, kMmaPhasePoints = 8;
+#ifdef KBIT_MMA_PHASES
+extern "C" {  // unmangled names: RawModule.get_global finds them
+__device__ unsigned long long kbit_mma_phases[kMmaPhaseCtas * kMmaPhaseWarps * kMmaPhasePoints * 2];
+__device__ unsigned kbit_mma_phase_sink[kMmaPhaseWarps];
+}
+#endif
+__device__ __forceinline__ void mma_phase(int point) {
+#ifdef KBIT_MMA_PHASES
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if ((threadIdx.x & 31) == 0 && cta < kMmaPhaseCtas && threadIdx.x / 32 < kMmaPhaseWarps) {
+    unsigned long long t, c;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+    unsigned long long* p =
+        kbit_mma_phases + ((cta * kMmaPhaseWarps + threadIdx.x / 32) * kMmaPhasePoints + point) * 2;
+    p[0] = t;
+    p[1] = c;
+  }
+#endif
+}
+__device__ __forceinline__ void mma_phase_after(int point, unsigned dep) {
+#ifdef KBIT_MMA_PHASES
+  if ((threadIdx.x & 31) == 0 && threadIdx.x / 32 < kMmaPhaseWarps)
+    *reinterpret_cast<volatile unsigned*>(kbit_mma_phase_sink + threadIdx.x / 32) = dep;
+  mma_phase(point);
+#endif
+}
+
 // The dense Hopper path at one warpgroup a CTA (gemm._wg_warpgroups: small
 // layers, each CTA one K tile of 64 rows of W) builds the shared-memory
 // decode tables above (k = 4's PRMT table, k = 2's byte table, k = 5's 128 KB
@@ -259,6 +295,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                     (WARPS == 16 && K == 5 && !GROUPED && !WG && M_TILES <= 2 && RPW == 1),
                 "8 warps: the mma.sync launch at one n8 tile (k = 2: one or two row tiles a "
                 "warp); 16: k = 5 at up to two n8 tiles");
+  mma_phase(0);
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
@@ -731,6 +768,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     }
   }
 
+  mma_phase(6);  // this warp's part of the tables written
+
   // Warp-specialised slab staging: stage `slot` holds slab s (the CTA's slabs
   // counted from 0) for s = slot mod kStages. One producer warp loads slabs
   // with the tensor copy engine (a_map: A as a 2-D tensor of 64 x 8 * M_TILES
@@ -850,6 +889,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           red[(warp * M_TILES + mt) * 32 + lane] =
               make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]);
         cluster_sync();  // every CTA's partial tile written
+        mma_phase(4);
         const unsigned red_addr = (unsigned)__cvta_generic_to_shared(red);
         const int ranks = cluster_ranks(), rank = cluster_rank();
         const int items = warps * M_TILES * 32;
@@ -872,6 +912,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           store_acc_quad(C, N, M, n, m, sum);  // stores element (n, m): uses every load
         }
         cluster_sync_exit();  // no CTA leaves while another reads its shared memory
+        mma_phase(5);
         return;
       }
     }
@@ -1015,6 +1056,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       asm volatile("cp.async.wait_group 0;\n" ::);
       if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
       __syncthreads();
+      if (i == 0 && tiles_done == 0) {  // (stamped builds only)
+        mma_phase(2);
+        mma_phase_after(1, w[0][0]);
+      }
       if (has_next) {
         if constexpr (GROUPED) {
           load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, in_seg ? cur.row0 : nxt.row0,
@@ -1259,6 +1304,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       wgmma_wait<0>();  // the segment's multiplies are in acc
       fence_acc<M_TILES>(acc[0]);
     }
+    mma_phase(3);
     finish_segment(grp, cur, seg_kt0, seg_kt0 + seg_n);
     tiles_done += seg_n;
     if constexpr (WG) {
@@ -1271,6 +1317,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     kt = 0;
     cur = GROUPED ? nxt : locate(grp);  // not grouped: {grp, 0, 0, 0, M}
   }
+  mma_phase(5);
 }
 
 }  // namespace kbit

@@ -1,0 +1,144 @@
+"""Where the mma / wgmma kernel's time goes: phase stamps inside gemm_mma.cu (device only).
+
+The kernel is built with -DKBIT_MMA_PHASES, which makes lane 0 of every warp
+(of the first 2048 CTAs, 16 warps) write the global timer (ns) and its SM's
+clock at these points:
+
+    0 entry                              4 the cluster's partial tiles written
+    1 the first weight tile arrived        (split K in clusters only)
+    2 the first K tile's activations     5 exit
+      staged (the tables built)          6 the warp's part of the tables written
+    3 the segment multiplied (the last
+      segment's, wgmma: after the wait)
+(1 is stamped after 2: it is when both had happened.)
+
+The public call (``kbit_gemm(..., kernel=--kernel)``, the launch plan as the
+package makes it) runs in a CUDA graph of (256 MB overwrite, call), the
+TARGETS.md cold-L2 setting, as latency_phases.py does for gemm_latency.cu;
+printed per (layer, k, M) as medians over the replays: per point the time
+since the CTA's own entry of the median and of the slowest CTA, the span (last
+exit after the first entry) and the kernel-only time with and without stamps.
+Where a call launches more than one gemm_mma kernel, the last one built is
+stamped.
+
+    PYTHONPATH=.:benchmarks python benchmarks/mma_phases.py --layers 768x2048 --k 4 --m 64 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+
+import numpy as np
+
+POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables")
+
+
+@contextlib.contextmanager
+def stamped_gemm_mma(defines=()):
+    """Inside: gemm_mma variants are built with -DKBIT_MMA_PHASES (and
+    ``defines``) from an empty cache; yields the list their modules are
+    appended to, in build order. Restored on exit."""
+    import cupy as cp
+
+    from kbit_cupy import _jit
+
+    modules = []
+    saved_get, saved_cache = _jit.get_kernel, dict(_jit._kernels)
+    _jit._kernels.clear()
+
+    def get_kernel(family, *template_args):
+        if family != "gemm_mma":
+            return saved_get(family, *template_args)
+        key = (family, template_args, cp.cuda.runtime.getDevice())
+        if key not in _jit._kernels:
+            name = _jit.kernel_name(family, *template_args)
+            options = (*_jit.compile_options(), "-DKBIT_MMA_PHASES", *(f"-D{d}" for d in defines))
+            if _jit.needs_sm90a(family, template_args):
+                options = (*options, "-arch=sm_90a")
+            module = cp.RawModule(code=_jit.render_source(family), options=options,
+                                  name_expressions=[name])
+            _jit._kernels[key] = module.get_function(name)
+            modules.append(module)
+        return _jit._kernels[key]
+
+    _jit.get_kernel = get_kernel
+    try:
+        yield modules
+    finally:
+        _jit.get_kernel = saved_get
+        _jit._kernels.clear()
+        _jit._kernels.update(saved_cache)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", nargs="+", default=["768x2048", "2048x768"])
+    p.add_argument("--k", nargs="+", type=int, default=[4])
+    p.add_argument("--m", nargs="+", type=int, default=[64, 128, 256])
+    p.add_argument("--kernel", default="auto", help="kbit_gemm's kernel= (default auto)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--replays", type=int, default=15)
+    p.add_argument("--define", action="append", default=[],
+                   help="NAME=VALUE: also compile the stamped kernels with -DNAME=VALUE")
+    args = p.parse_args()
+
+    import cupy as cp
+    from latency_kernel import activations_and_cublas
+    from latency_phases import phases
+
+    from kbit_cupy import kbit_gemm, quantize_weight
+    from kbit_cupy._arrays import BFLOAT16
+    from kbit_cupy.bench import harness
+
+    dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
+    info = harness.gpu_info()
+    print(f"{info['gpu']}  commit {os.environ.get('KBIT_COMMIT', info.get('commit'))}  "
+          f"{args.dtype}, kernel={args.kernel}, cold L2 (256 MB overwrite), graph replays "
+          f"{args.replays}, defines {args.define}", flush=True)
+    print("times in us since each CTA's entry: median CTA / slowest CTA")
+    print(f"{'layer':>10} {'k':>2} {'M':>4} {'CTAs':>5} {'warps':>5} {'spread':>6} "
+          + " ".join(f"{n:>13}" for n in POINTS)
+          + f" {'span':>6} {'graph':>6} {'plain':>6} {'cuBLAS':>6}", flush=True)
+    for layer in args.layers:
+        K_dim, N = (int(v) for v in layer.lower().split("x"))
+        W = (cp.random.default_rng(0).standard_normal((N, K_dim), dtype=cp.float32)
+             * np.float32(0.02)).astype(cp.float16)
+        for k in args.k:
+            plain_w = quantize_weight(W, k=k).prepare()
+            probe_w = quantize_weight(W, k=k).prepare()
+            cp.cuda.Device().synchronize()  # prepare() ran on the default stream
+            stream = harness._bench_stream()
+            for M in args.m:
+                A, cublas = activations_and_cublas(W, M, dtype)  # cuBLAS fp16, capturable
+                out_q, out_p = (cp.empty((M, N), dtype) for _ in range(2))
+                plain = functools.partial(kbit_gemm, A, plain_w, out=out_q, kernel=args.kernel)
+                with stream:
+                    plain()
+                    with stamped_gemm_mma(args.define) as modules:
+                        probe = functools.partial(kbit_gemm, A, probe_w, out=out_p,
+                                                  kernel=args.kernel)
+                        probe()
+                    stream.synchronize()
+                if not modules:
+                    print(f"{layer:>10} {k:>2} {M:>4}  (no gemm_mma launch: nothing stamped)")
+                    continue
+                if not bool(cp.all(out_p == out_q)):
+                    print(f"  {layer} k={k} M={M}: stamped and plain kernels' bits differ")
+                s, ctas, warps = phases(modules[-1], probe, stream, args.replays,
+                                        symbol="kbit_mma_phases", max_warps=16)
+                cells = " ".join(f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
+                                 for i in range(1, 7))
+                t_probe = harness.time_graph(probe, reps=20)
+                t_plain = harness.time_graph(plain, reps=20)
+                t_cublas = harness.time_graph(cublas, reps=20)
+                print(f"{layer:>10} {k:>2} {M:>4} {ctas:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "
+                      f"{cells} {s['span'] / 1e3:6.2f} {t_probe['median_us']:6.2f} "
+                      f"{t_plain['median_us']:6.2f} {t_cublas['median_us']:6.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
