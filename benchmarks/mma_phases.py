@@ -8,8 +8,8 @@ clock at these points:
     1 the first weight tile arrived        (split K in clusters only)
     2 the first K tile's activations     5 exit
       staged (the tables built)          6 the warp's part of the tables written
-    3 the segment multiplied (the last
-      segment's, wgmma: after the wait)
+    3 the segment multiplied (the last    7 C (or the partial tiles) stored
+      segment's, wgmma: after the wait)     (not on the cluster path)
 (1 is stamped after 2: it is when both had happened.)
 
 The public call (``kbit_gemm(..., kernel=--kernel)``, the launch plan as the
@@ -33,7 +33,7 @@ import os
 
 import numpy as np
 
-POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables")
+POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables", "stored")
 
 
 @contextlib.contextmanager
@@ -81,8 +81,16 @@ def main() -> int:
     p.add_argument("--kernel", default="auto", help="kbit_gemm's kernel= (default auto)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--replays", type=int, default=15)
+    p.add_argument("--flush", default="overwrite", choices=["overwrite", "read"],
+                   help="before each stamped call: the TARGETS.md 256 MB overwrite (L2 left "
+                        "dirty) or a 256 MB read (L2 left clean); the graph columns keep the "
+                        "overwrite")
     p.add_argument("--define", action="append", default=[],
                    help="NAME=VALUE: also compile the stamped kernels with -DNAME=VALUE")
+    p.add_argument("--warm-code", action="store_true",
+                   help="in the stamped graph, a call of the same kernel on another weight, "
+                        "A and output between the flush and the stamped call (its code in "
+                        "L2 and the SMs' caches, its data not)")
     args = p.parse_args()
 
     import cupy as cp
@@ -96,7 +104,7 @@ def main() -> int:
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
     info = harness.gpu_info()
     print(f"{info['gpu']}  commit {os.environ.get('KBIT_COMMIT', info.get('commit'))}  "
-          f"{args.dtype}, kernel={args.kernel}, cold L2 (256 MB overwrite), graph replays "
+          f"{args.dtype}, kernel={args.kernel}, cold L2 (stamps after a 256 MB {args.flush}), graph replays "
           f"{args.replays}, defines {args.define}", flush=True)
     print("times in us since each CTA's entry: median CTA / slowest CTA")
     print(f"{'layer':>10} {'k':>2} {'M':>4} {'CTAs':>5} {'warps':>5} {'spread':>6} "
@@ -109,10 +117,14 @@ def main() -> int:
         for k in args.k:
             plain_w = quantize_weight(W, k=k).prepare()
             probe_w = quantize_weight(W, k=k).prepare()
+            warm_w = quantize_weight(W, k=k).prepare()
             cp.cuda.Device().synchronize()  # prepare() ran on the default stream
             stream = harness._bench_stream()
             for M in args.m:
                 A, cublas = activations_and_cublas(W, M, dtype)  # cuBLAS fp16, capturable
+                A2, out2 = A.copy(), cp.empty((M, N), dtype)
+                # made on the current stream: finished before the harness's (non-blocking) uses them
+                cp.cuda.Device().synchronize()
                 out_q, out_p = (cp.empty((M, N), dtype) for _ in range(2))
                 plain = functools.partial(kbit_gemm, A, plain_w, out=out_q, kernel=args.kernel)
                 with stream:
@@ -121,16 +133,28 @@ def main() -> int:
                         probe = functools.partial(kbit_gemm, A, probe_w, out=out_p,
                                                   kernel=args.kernel)
                         probe()
+                        warm = functools.partial(kbit_gemm, A2, warm_w, out=out2, kernel=args.kernel)
+                        warm()
                     stream.synchronize()
                 if not modules:
                     print(f"{layer:>10} {k:>2} {M:>4}  (no gemm_mma launch: nothing stamped)")
                     continue
+                with stream:
+                    again = out_q.copy()
+                    plain()
+                    stream.synchronize()
+                if not bool(cp.all(out_q == again)):
+                    print(f"  {layer} k={k} M={M}: the plain call's bits differ between two calls")
                 if not bool(cp.all(out_p == out_q)):
-                    print(f"  {layer} k={k} M={M}: stamped and plain kernels' bits differ")
-                s, ctas, warps = phases(modules[-1], probe, stream, args.replays,
+                    d = float(cp.abs(out_p.astype(cp.float32) - out_q.astype(cp.float32)).max())
+                    print(f"  {layer} k={k} M={M}: stamped and plain kernels' bits differ "
+                          f"(max abs difference {d:.3g} of max |C| "
+                          f"{float(cp.abs(out_q.astype(cp.float32)).max()):.3g})")
+                stamped = ((lambda w=warm, q=probe: (w(), q())) if args.warm_code else probe)
+                s, ctas, warps = phases(modules[-1], stamped, stream, args.replays, args.flush,
                                         symbol="kbit_mma_phases", max_warps=16)
                 cells = " ".join(f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
-                                 for i in range(1, 7))
+                                 for i in range(1, 8))
                 t_probe = harness.time_graph(probe, reps=20)
                 t_plain = harness.time_graph(plain, reps=20)
                 t_cublas = harness.time_graph(cublas, reps=20)

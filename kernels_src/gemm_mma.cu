@@ -215,6 +215,12 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #define KBIT_DENSE_WG_K5_TABLE_MAX_TILES 8
 #endif
 
+// C stores without a check per element where a warp's whole tile is in
+// bounds (finish_segment; 0: every element checked, for A/B runs).
+#ifndef KBIT_FAST_STORE
+#define KBIT_FAST_STORE 1
+#endif
+
 // Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
 constexpr int kMaxClusterSplits = 8;
@@ -1013,6 +1019,28 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             }
           }
         }
+      } else if (KBIT_FAST_STORE && (rt + 1) * 16 <= N && 8 * M_TILES <= M) {
+        // The whole 16 x 8 M_TILES tile in bounds (warp-uniform): stores
+        // without a check each, from one row pointer per n8 tile. The checked
+        // form below compiles to a branch around each store (about 12
+        // instructions an element). On 768x2048 at 256 rows (one warpgroup a
+        // CTA, one CTA per SM) the stamps put 1.1 us of a 5.9 us kernel
+        // between the last multiply and the stores' end (H200, mma_phases.py,
+        // results/mma_phases_h200_*_15759a0.txt). In one process against the
+        // checked form (KBIT_FAST_STORE=0, same bits), H200: 768x2048 at 192
+        // and 256 rows 7-8% less time, 4096x4096 at 32..64 rows 1.8%, the
+        // other small-layer points within 1.9% either way
+        // (define_ab_h200_fast_store_whole_only_off_15759a0.txt). The same
+        // form in the cluster sum's store_acc_quad was 2-9% slower there
+        // (define_ab_h200_fast_store_off_15759a0.txt), so that one keeps its checks.
+        T* c = C + (long long)(2 * t) * N + rt * 16 + g;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt, c += 8LL * N) {
+          Mma<T>::store(c, acc[r][mt][0]);
+          Mma<T>::store(c + N, acc[r][mt][1]);
+          Mma<T>::store(c + 8, acc[r][mt][2]);
+          Mma<T>::store(c + N + 8, acc[r][mt][3]);
+        }
       } else {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
@@ -1025,6 +1053,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         }
       }
     }
+    mma_phase(7);
   };
 
   // Tile i of the current segment: weights and scale words in (w, raw),
