@@ -504,6 +504,9 @@ def test_wgmma_without_tensor_maps_falls_back_to_128_row_launches(monkeypatch):
     from kbit_cupy import gemm
 
     monkeypatch.setattr(gemm, "_tensor_maps_available", lambda: False)
+    # M chunks would run these 200 rows in one launch of 64-row chunks, which
+    # needs no tensor maps: off, so the launch is the slab path's to fall back from
+    monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 0)
     calls = []
     real = gemm._plan_launch
     monkeypatch.setattr(gemm, "_plan_launch",
