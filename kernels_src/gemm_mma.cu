@@ -1007,6 +1007,20 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
               const int m = (mt0 + j) * 8 + 2 * t + h;
               crow[j][h] = mt0 + j < M_TILES && m < pl.rows ? c_row(pl.row0 + m) : -1;
             }
+          if (KBIT_FAST_STORE && (rt + 1) * 16 <= N) {  // warp-uniform: n and n + 8 in bounds
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+              if (mt0 + j >= M_TILES) break;
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {  // one check a row: elements h (n) and 2 + h (n + 8)
+                if (crow[j][h] < 0) continue;
+                T* c = C + (long long)crow[j][h] * N + rt * 16 + g;
+                Mma<T>::store(c, acc[r][(mt0 + j) % M_TILES][h]);
+                Mma<T>::store(c + 8, acc[r][(mt0 + j) % M_TILES][2 + h]);
+              }
+            }
+            continue;
+          }
 #pragma unroll
           for (int j = 0; j < kChunk; ++j) {
             if (mt0 + j >= M_TILES) break;
