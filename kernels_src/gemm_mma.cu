@@ -1007,7 +1007,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
               const int m = (mt0 + j) * 8 + 2 * t + h;
               crow[j][h] = mt0 + j < M_TILES && m < pl.rows ? c_row(pl.row0 + m) : -1;
             }
-          if (KBIT_FAST_STORE && (rt + 1) * 16 <= N) {  // warp-uniform: n and n + 8 in bounds
+          // With the row tile in bounds (warp-uniform), one check a row
+          // instead of one an element (see the dense stores below). H100, in
+          // one process against the checked form (KBIT_FAST_STORE=0, same
+          // bits), kbit_grouped_gemm at T = 8 / 32 / 128 / 512 on the three
+          // issue-21 configs: 0.1-0.9% less time at T = 8..32, 0.3-1.1% at
+          // 128, 0.7-3.8% at 512 (768x2048), never more
+          // (results/moe_gap_probe_h100_grouped_fast_store_off_*.txt).
+          if (KBIT_FAST_STORE && (rt + 1) * 16 <= N) {
 #pragma unroll
             for (int j = 0; j < kChunk; ++j) {
               if (mt0 + j >= M_TILES) break;
