@@ -1012,7 +1012,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           // one process against the checked form (KBIT_FAST_STORE=0, same
           // bits), kbit_grouped_gemm at T = 8 / 32 / 128 / 512 on the three
           // issue-21 configs: 0.1-0.9% less time at T = 8..32, 0.3-1.1% at
-          // 128, 0.7-3.8% at 512 (768x2048), never more
+          // 128, 0.7-3.7% at 512 (768x2048), never more
           // (results/moe_gap_probe_h100_grouped_fast_store_off_*.txt).
           if (KBIT_FAST_STORE && (rt + 1) * 16 <= N) {
 #pragma unroll
