@@ -216,7 +216,8 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #endif
 
 // C stores without a check per element where a warp's whole tile is in
-// bounds (finish_segment; 0: every element checked, for A/B runs).
+// bounds, and in the grouped launch one check per row where its row tile is
+// (finish_segment; 0: every element checked, for A/B runs).
 #ifndef KBIT_FAST_STORE
 #define KBIT_FAST_STORE 1
 #endif
