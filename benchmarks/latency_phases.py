@@ -150,6 +150,14 @@ def phases(module, call, stream, replays: int, flush_kind: str = "overwrite",
     return summarize(samples), ctas, warps
 
 
+def add_flush_argument(p: argparse.ArgumentParser) -> None:
+    """--flush: what comes before each stamped call (``phases``' flush_kind)."""
+    p.add_argument("--flush", default="overwrite", choices=["overwrite", "read"],
+                   help="before each stamped call: the TARGETS.md 256 MB overwrite (L2 left "
+                        "dirty) or a 256 MB read (L2 left clean); the graph columns keep the "
+                        "overwrite")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", nargs="+", default=["2048x768", "768x2048", "2048x512", "4096x4096"])
@@ -157,10 +165,7 @@ def main() -> int:
     p.add_argument("--m", nargs="+", type=int, default=[1, 16])
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--replays", type=int, default=15)
-    p.add_argument("--flush", default="overwrite", choices=["overwrite", "read"],
-                   help="before each stamped call: the TARGETS.md 256 MB overwrite (L2 left "
-                        "dirty) or a 256 MB read (L2 left clean); the graph columns keep the "
-                        "overwrite")
+    add_flush_argument(p)
     p.add_argument("--grouped", action="store_true",
                    help="with --moe: kbit_grouped_gemm on the same pairs grouped by expert "
                         "instead of moe_linear")

@@ -32,6 +32,7 @@ import functools
 import os
 
 import numpy as np
+from latency_phases import add_flush_argument, phases
 
 POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables", "stored")
 
@@ -81,10 +82,7 @@ def main() -> int:
     p.add_argument("--kernel", default="auto", help="kbit_gemm's kernel= (default auto)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--replays", type=int, default=15)
-    p.add_argument("--flush", default="overwrite", choices=["overwrite", "read"],
-                   help="before each stamped call: the TARGETS.md 256 MB overwrite (L2 left "
-                        "dirty) or a 256 MB read (L2 left clean); the graph columns keep the "
-                        "overwrite")
+    add_flush_argument(p)
     p.add_argument("--define", action="append", default=[],
                    help="NAME=VALUE: also compile the stamped kernels with -DNAME=VALUE")
     p.add_argument("--warm-code", action="store_true",
@@ -95,7 +93,6 @@ def main() -> int:
 
     import cupy as cp
     from latency_kernel import activations_and_cublas
-    from latency_phases import phases
 
     from kbit_cupy import kbit_gemm, quantize_weight
     from kbit_cupy._arrays import BFLOAT16

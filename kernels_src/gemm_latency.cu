@@ -89,15 +89,9 @@ __device__ unsigned kbit_latency_phase_sink[kLatencyMaxWarps];
 #endif
 __device__ __forceinline__ void latency_phase(int point) {
 #ifdef KBIT_LATENCY_PHASES
-  if ((threadIdx.x & 31) == 0 && blockIdx.x < kPhaseCtas) {
-    unsigned long long t, c;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
-    unsigned long long* p = kbit_latency_phases +
-        ((blockIdx.x * kLatencyMaxWarps + (threadIdx.x >> 5)) * kPhasePoints + point) * 2;
-    p[0] = t;
-    p[1] = c;
-  }
+  if ((threadIdx.x & 31) == 0 && blockIdx.x < kPhaseCtas)
+    stamp_clocks(kbit_latency_phases +
+                 ((blockIdx.x * kLatencyMaxWarps + (threadIdx.x >> 5)) * kPhasePoints + point) * 2);
 #endif
 }
 __device__ __forceinline__ void latency_phase_after(int point, unsigned dep) {

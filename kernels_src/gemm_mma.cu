@@ -243,15 +243,8 @@ __device__ unsigned kbit_mma_phase_sink[kMmaPhaseWarps];
 __device__ __forceinline__ void mma_phase(int point) {
 #ifdef KBIT_MMA_PHASES
   const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if ((threadIdx.x & 31) == 0 && cta < kMmaPhaseCtas && threadIdx.x / 32 < kMmaPhaseWarps) {
-    unsigned long long t, c;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
-    unsigned long long* p =
-        kbit_mma_phases + ((cta * kMmaPhaseWarps + threadIdx.x / 32) * kMmaPhasePoints + point) * 2;
-    p[0] = t;
-    p[1] = c;
-  }
+  if ((threadIdx.x & 31) == 0 && cta < kMmaPhaseCtas && threadIdx.x / 32 < kMmaPhaseWarps)
+    stamp_clocks(kbit_mma_phases + ((cta * kMmaPhaseWarps + threadIdx.x / 32) * kMmaPhasePoints + point) * 2);
 #endif
 }
 __device__ __forceinline__ void mma_phase_after(int point, unsigned dep) {

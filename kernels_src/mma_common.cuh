@@ -6,6 +6,17 @@
 
 namespace kbit {
 
+// Phase stamps of the benchmark builds (gemm_latency.cu's latency_phase,
+// gemm_mma.cu's mma_phase): the global timer (ns) and this SM's clock, to
+// p[0] and p[1].
+__device__ __forceinline__ void stamp_clocks(unsigned long long* p) {
+  unsigned long long t, c;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+  p[0] = t;
+  p[1] = c;
+}
+
 // Programmatic dependent launch (sm_90). gemm.py may launch the GEMM kernels with
 // CUDA's programmatic-stream-serialization attribute, so that a launch queued
 // behind another kernel starts as that kernel's CTAs exit (the implicit
