@@ -1218,9 +1218,14 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         # against 6.6 us for one 128-row launch, results/define_ab_h200_m_chunks_28f41db.txt):
         # then at most splits - 1 segments.
         cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
-        resident = (_resident_clusters(kern, threads, shared + _cluster_push_bytes(cluster, m_tiles),
-                                       cluster)
-                    if cluster and _CLUSTER_RESIDENCY else None)
+        # the push-form sum's region: opted in to here (the occupancy query
+        # counts no clusters past the opted-in bytes); none where it does not fit
+        push = _cluster_push_bytes(cluster, m_tiles)
+        if push and launch_ctas_per_sm(kern, threads, shared + push) == 0:
+            resident = 0
+        else:
+            resident = (_resident_clusters(kern, threads, shared + push, cluster)
+                        if cluster and _CLUSTER_RESIDENCY else None)
         if resident is None or resident * cluster >= ctas:
             break
         cap = splits - 1  # (at 1: whole groups or stream-K, no clusters: the loop ends)
@@ -1235,7 +1240,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     # gemm_mma.cu: CTA (group, segment[, chunk])
     grid = (groups, splits, chunks) if splits > 1 else (ctas, 1, chunks)
     map_tiles = m_tiles if threads > warps * 32 else 0
-    shared += _cluster_push_bytes(cluster, m_tiles)  # (a launch without clusters ignores it)
+    shared += push  # (a launch without clusters ignores it)
     launch = _launch.Launch(
         kern, grid, (threads,), shared, _GEMM_ARG_TYPES,
         (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
