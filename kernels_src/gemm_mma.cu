@@ -238,6 +238,9 @@ constexpr int kMaxClusterSplits = 8;
 #ifndef KBIT_CLUSTER_PUSH
 #define KBIT_CLUSTER_PUSH 1
 #endif
+#ifndef KBIT_PUSH_START_SYNC
+#define KBIT_PUSH_START_SYNC 1
+#endif
 
 // Phase stamps, for benchmarks/mma_phases.py only (it builds this file with
 // -DKBIT_MMA_PHASES; otherwise they compile to nothing): lane 0 of each warp
@@ -323,7 +326,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Split K in a cluster, push form (finish_segment): this arrival's wait,
   // before the first store into another CTA's shared memory, proves that
   // every CTA of the cluster has started.
-  if constexpr (KBIT_CLUSTER_PUSH && WG == 1 && !GROUPED && !kSlab && RPW == 1) {
+  if constexpr (KBIT_PUSH_START_SYNC && KBIT_CLUSTER_PUSH && WG == 1 && !GROUPED && !kSlab && RPW == 1) {
     if (gridDim.y > 1 && cluster_ranks() > 1) cluster_arrive_relaxed();
   }
   // M chunks (gemm.py's _wg_m_chunks): grid z cuts the rows of A and C into
@@ -906,7 +909,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         const int per_rank = (warps * M_TILES + ranks - 1) / ranks;
         float4* const region = reinterpret_cast<float4*>(tile_cum);  // past the tables (16-byte aligned)
         const unsigned region_addr = (unsigned)__cvta_generic_to_shared(region);
-        cluster_wait();  // the entry's arrival: every CTA has started
+        if (KBIT_PUSH_START_SYNC) cluster_wait();  // the entry's arrival: every CTA has started
         {
           int owner = (warp * M_TILES) % ranks, row = (warp * M_TILES) / ranks;
 #pragma unroll
