@@ -1121,21 +1121,6 @@ def _wg_m_chunks(M: int, k: int, N: int, K_dim: int, scale: str = "uint8") -> in
 
 _CLUSTER_RESIDENCY = 1  # _plan_launch's split within the resident clusters (0: not, A/B runs)
 
-# gemm_mma.cu KBIT_CLUSTER_PUSH: the cluster sum in push form (1), whose
-# region past the tables _plan_launch adds to the shared memory; 0: the pull
-# form, no region (A/B runs, with the kernel built -DKBIT_CLUSTER_PUSH=0).
-_CLUSTER_PUSH = 1
-
-
-def _cluster_push_bytes(cluster: int, m_tiles: int, warps: int = 4) -> int:
-    """Shared bytes of gemm_mma.cu's push-form cluster sum for clusters of
-    ``cluster`` CTAs (0: none) of ``warps`` warps at ``m_tiles`` n8 tiles: the
-    copies the other ranks send, [cluster - 1][units per rank][32 lanes]
-    float4, a unit being one warp's n8 tile."""
-    if not (_CLUSTER_PUSH and cluster > 1):
-        return 0
-    return (cluster - 1) * math.ceil(warps * m_tiles / cluster) * 32 * 16
-
 
 def _resident_clusters(kern, threads: int, shared: int, cluster: int) -> int | None:
     """Clusters of ``cluster`` CTAs along y of ``kern`` (a loaded RawKernel,
@@ -1218,14 +1203,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         # against 6.6 us for one 128-row launch, results/define_ab_h200_m_chunks_28f41db.txt):
         # then at most splits - 1 segments.
         cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
-        # the push-form sum's region: opted in to here (the occupancy query
-        # counts no clusters past the opted-in bytes); none where it does not fit
-        push = _cluster_push_bytes(cluster, m_tiles)
-        if push and launch_ctas_per_sm(kern, threads, shared + push) == 0:
-            resident = 0
-        else:
-            resident = (_resident_clusters(kern, threads, shared + push, cluster)
-                        if cluster and _CLUSTER_RESIDENCY else None)
+        resident = (_resident_clusters(kern, threads, shared, cluster)
+                    if cluster and _CLUSTER_RESIDENCY else None)
         if resident is None or resident * cluster >= ctas:
             break
         cap = splits - 1  # (at 1: whole groups or stream-K, no clusters: the loop ends)
@@ -1240,12 +1219,11 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     # gemm_mma.cu: CTA (group, segment[, chunk])
     grid = (groups, splits, chunks) if splits > 1 else (ctas, 1, chunks)
     map_tiles = m_tiles if threads > warps * 32 else 0
-    shared += push  # (a launch without clusters ignores it)
     launch = _launch.Launch(
         kern, grid, (threads,), shared, _GEMM_ARG_TYPES,
         (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
          units // ctas, units % ctas, workspace, counters, 0, 0, 0, 1, 0, 0))
-    return launch, map_tiles, cluster
+    return launch, map_tiles, _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
 
 
 # gemm_latency.cu stages the rows of A it multiplies, whole, in shared memory:

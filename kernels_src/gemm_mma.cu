@@ -226,22 +226,6 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
 constexpr int kMaxClusterSplits = 8;
 
-// The cluster sum in push form (1; 0: the pull form, for A/B runs; gemm.py's
-// _CLUSTER_PUSH mirrors it, since the host sizes the shared memory): each rank
-// owns every ranks-th of its CTA's (warp, n8 tile) units of the partial tile;
-// before one cluster barrier each rank stores the units others own into their
-// owner's shared memory (a region past the tables, kept for it: the owner's
-// stages are busy until its own last multiply), after it each owner adds, in
-// rank order, its own registers and what it received, and stores C. One
-// barrier and no remote loads, against a barrier, remote loads of every rank's
-// partials and an exit barrier in the pull form. Same sums, same bits.
-#ifndef KBIT_CLUSTER_PUSH
-#define KBIT_CLUSTER_PUSH 1
-#endif
-#ifndef KBIT_PUSH_START_SYNC
-#define KBIT_PUSH_START_SYNC 1
-#endif
-
 // Phase stamps, for benchmarks/mma_phases.py only (it builds this file with
 // -DKBIT_MMA_PHASES; otherwise they compile to nothing): lane 0 of each warp
 // of the first kMmaPhaseCtas CTAs (linear index over x, y, z) writes the
@@ -323,12 +307,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // consumer warps.
   constexpr bool kSlab = WG && M_TILES >= kSlabMinTiles;
   const int warps = kSlab ? 4 * WG : blockDim.x / 32, warp = threadIdx.x / 32;
-  // Split K in a cluster, push form (finish_segment): this arrival's wait,
-  // before the first store into another CTA's shared memory, proves that
-  // every CTA of the cluster has started.
-  if constexpr (KBIT_PUSH_START_SYNC && KBIT_CLUSTER_PUSH && WG == 1 && !GROUPED && !kSlab && RPW == 1) {
-    if (gridDim.y > 1 && cluster_ranks() > 1) cluster_arrive_relaxed();
-  }
   // M chunks (gemm.py's _wg_m_chunks): grid z cuts the rows of A and C into
   // chunks of 8 * M_TILES, each its own problem of this launch's geometry,
   // with its own workspace slots and counters.
@@ -900,54 +878,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         // The host launches clusters of (1, splits, 1): a group's splits, all of
         // them. Any other shape would sum the wrong partials (a host bug).
         if (cluster_ranks() != (int)gridDim.y) __trap();
-#if KBIT_CLUSTER_PUSH
-        // Unit u = warp * M_TILES + mt (32 lanes' float4 quads) is owned by
-        // rank u mod ranks; rank q's copy of it goes to the owner's region
-        // [ranks - 1][units per rank][32] (gemm.py's _cluster_push_bytes), at
-        // slot q (q - 1 past the owner), row u / ranks.
-        const int ranks = cluster_ranks(), rank = cluster_rank();
-        const int per_rank = (warps * M_TILES + ranks - 1) / ranks;
-        float4* const region = reinterpret_cast<float4*>(tile_cum);  // past the tables (16-byte aligned)
-        const unsigned region_addr = (unsigned)__cvta_generic_to_shared(region);
-        if (KBIT_PUSH_START_SYNC) cluster_wait();  // the entry's arrival: every CTA has started
-        {
-          int owner = (warp * M_TILES) % ranks, row = (warp * M_TILES) / ranks;
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            if (owner != rank) {
-              const int slot = rank - (rank > owner ? 1 : 0);
-              st_cluster_f32x4(region_addr + 16u * ((slot * per_rank + row) * 32 + lane), owner,
-                               make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]));
-            }
-            if (++owner == ranks) owner = 0, ++row;
-          }
-        }
-        cluster_sync();  // every rank's copies arrived (release / acquire)
-        mma_phase(4);
-        {
-          const int n = (seg_grp * warps + warp) * 16 + g;  // elements 2, 3: n + 8
-          int owner = (warp * M_TILES) % ranks, row = (warp * M_TILES) / ranks;
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            if (owner == rank) {
-              const float4 mine = make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]);
-              float4 v[kMaxClusterSplits];
-#pragma unroll
-              for (int q = 0; q < kMaxClusterSplits; ++q)
-                if (q < ranks && q != rank)
-                  v[q] = region[((q - (q > rank ? 1 : 0)) * per_rank + row) * 32 + lane];
-              float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-              for (int q = 0; q < kMaxClusterSplits; ++q)
-                if (q < ranks) add_f32x4(sum, q == rank ? mine : v[q]);
-              store_acc_quad(C, N, M, n, mt * 8 + 2 * t, sum);  // elements 1, 3: m + 1
-            }
-            if (++owner == ranks) owner = 0, ++row;
-          }
-        }
-        mma_phase(5);  // no exit barrier: no CTA reads another's shared memory after the sync
-        return;
-#else
         // The stages hold the partial tiles: each warp has waited for its
         // multiplies (wgmma_wait<0>), the barrier for all four warps to be
         // done with the stages (no copy is in flight: the segment's last
@@ -984,7 +914,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         cluster_sync_exit();  // no CTA leaves while another reads its shared memory
         mma_phase(5);
         return;
-#endif
       }
     }
     const int g_begin = seg_grp * group_units;

@@ -72,30 +72,6 @@ __device__ __forceinline__ void cluster_sync_exit() {
                "barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
-// The two halves of a cluster barrier, for a phase split across the kernel:
-// arrive without ordering (gemm_mma.cu's push-form sum: at entry, so that a
-// later wait proves every CTA of the cluster has started and its shared memory
-// may be written), then wait.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-// Store v at shared address `addr` (16-byte aligned, this CTA's layout) of
-// CTA `rank` of the cluster.
-__device__ __forceinline__ void st_cluster_f32x4(unsigned addr, int rank, float4 v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
-               :: "r"(remote), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-#endif
-}
 // The float4 at shared address `addr` (16-byte aligned, this CTA's layout) in
 // CTA `rank` of the cluster.
 __device__ __forceinline__ float4 ld_cluster_f32x4(unsigned addr, int rank) {

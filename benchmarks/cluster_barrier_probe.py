@@ -1,0 +1,135 @@
+"""What a thread-block cluster barrier costs on this GPU (device only).
+
+A probe kernel launched as clusters of CL CTAs along y (``__cluster_dims__``,
+128 threads, the dynamic shared memory asked for) times with the SM clock,
+in thread 0 of every CTA:
+
+    arrive    barrier.cluster.arrive.relaxed at entry (mode "entry" only)
+    load      one dependent global load after it (in every mode)
+    wait      barrier.cluster.wait after WORK cycles of spinning (mode "entry")
+    sync      a full barrier (arrive.release + wait.acquire, or with
+              --relaxed arrive.relaxed + wait) after the spin
+    sync2     a second full barrier (arrive.relaxed + wait) right after
+
+gemm_mma.cu's pull-form cluster sum runs two full barriers at its end; the
+push-form experiment (results/experiment_cluster_push_4ac907a.patch) also
+arrived at entry and measured about 1 us later at every point after it.
+"skew": the latest entry of a cluster's CTAs after its first (global
+timer). Medians over CTAs and launches, in cycles and (by the SM clock's rate, read
+from the same launches' global timer) in us.
+
+    PYTHONPATH=. python benchmarks/cluster_barrier_probe.py [--clusters 2 4 8] [--shared-kb 0 160]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+SOURCE = r"""
+__device__ __forceinline__ unsigned long long clk() {
+  unsigned long long c;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+  return c;
+}
+__device__ __forceinline__ unsigned long long gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+extern "C" __global__ void __cluster_dims__(1, CL, 1)
+probe(unsigned long long* out, const unsigned* data, int entry_arrive, int work, int relaxed) {
+  const unsigned long long t0 = gtime(), c0 = clk();
+  unsigned long long c1 = c0;
+  if (entry_arrive) {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    c1 = clk();
+  }
+  const unsigned cta = blockIdx.x * gridDim.y + blockIdx.y;
+  const unsigned v = __ldcg(data + (cta * 97u) % 4096u);
+  unsigned long long c2 = clk();
+  // spin `work` cycles past entry (stands for the kernel's main loop); v keeps the load live
+  unsigned acc = v;
+  while (clk() - c0 < (unsigned long long)work) acc = acc * 1664525u + 1013904223u;
+  const unsigned long long c3 = clk();
+  if (entry_arrive) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+  const unsigned long long c4 = clk();
+  if (relaxed)
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+                 "barrier.cluster.wait.aligned;" ::: "memory");
+  else
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  const unsigned long long c5 = clk();
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+               "barrier.cluster.wait.aligned;" ::: "memory");
+  const unsigned long long c6 = clk(), t6 = gtime();
+  if (threadIdx.x == 0) {
+    unsigned long long* o = out + cta * 8;
+    o[0] = c1 - c0;  // arrive
+    o[1] = c2 - c1;  // load
+    o[2] = c4 - c3;  // wait
+    o[3] = c5 - c4;  // sync
+    o[4] = c6 - c5;  // sync2
+    o[5] = c6 - c0;  // cycles in all
+    o[6] = t6 - t0;  // ns in all
+    o[7] = t0 + (acc == 12345u ? 1u : 0u);  // entry (ns; acc kept live)
+  }
+}
+"""
+
+FIELDS = ("arrive", "load", "wait", "sync", "sync2")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clusters", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--shared-kb", nargs="+", type=int, default=[0, 160])
+    p.add_argument("--groups", type=int, default=32, help="clusters along x")
+    p.add_argument("--work", type=int, default=8000, help="cycles of spin before the waits")
+    p.add_argument("--launches", type=int, default=20)
+    p.add_argument("--relaxed", action="store_true", help="the first full barrier without release/acquire")
+    args = p.parse_args()
+
+    import cupy as cp
+
+    from kbit_cupy.bench import harness
+
+    info = harness.gpu_info()
+    print(f"{info['gpu']}  commit {info.get('commit')}  128 threads a CTA, {args.groups} clusters "
+          f"along x, spin {args.work} cycles, first barrier {'relaxed' if args.relaxed else 'release'}; medians over CTAs and {args.launches} launches")
+    print(f"{'CL':>3} {'smem KB':>7} {'entry':>5} " + " ".join(f"{f:>15}" for f in FIELDS)
+          + f" {'total':>15} {'skew':>8}")
+    data = cp.arange(4096, dtype=cp.uint32)
+    flush = cp.empty(64 << 20, cp.uint32)
+    for cl in args.clusters:
+        mod = cp.RawModule(code=SOURCE.replace("CL", str(cl)), options=("-std=c++17", "-arch=sm_90a"))
+        kern = mod.get_function("probe")
+        for kb in args.shared_kb:
+            shared = kb * 1024
+            kern.max_dynamic_shared_size_bytes = max(shared, 0)
+            ctas = args.groups * cl
+            out = cp.zeros((ctas, 8), cp.uint64)
+            for entry in (0, 1):
+                rows = []
+                for _ in range(args.launches):
+                    flush.fill(1)  # 256 MB written: L2 dirty, as the TARGETS.md method leaves it
+                    kern((args.groups, cl, 1), (128,), (out, data, np.int32(entry), np.int32(args.work),
+                                                          np.int32(args.relaxed)),
+                         shared_mem=shared)
+                    cp.cuda.Device().synchronize()
+                    rows.append(out.get())
+                r = np.concatenate(rows)
+                t0 = r[:, 7].astype(np.int64).reshape(-1, cl)  # CTA = x * CL + y: a cluster's CTAs adjacent
+                skew = np.median(t0.max(axis=1) - t0.min(axis=1))
+                rate = np.median(r[:, 5] / np.maximum(r[:, 6], 1))  # cycles per ns
+                cells = [f"{np.median(r[:, i]):7.0f} {np.median(r[:, i]) / rate / 1e3:5.2f}us"
+                         for i in range(5)]
+                print(f"{cl:>3} {kb:>7} {entry:>5} " + " ".join(cells)
+                      + f" {np.median(r[:, 5]):7.0f} {np.median(r[:, 6]) / 1e3:5.2f}us {skew / 1e3:6.3f}us", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
