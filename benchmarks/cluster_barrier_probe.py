@@ -5,10 +5,9 @@ A probe kernel launched as clusters of CL CTAs along y (``__cluster_dims__``,
 in thread 0 of every CTA:
 
     arrive    barrier.cluster.arrive.relaxed at entry (mode "entry" only)
-    load      one dependent global load after it (in every mode)
+    bar.sync  a __syncthreads after one global load (in every mode)
     wait      barrier.cluster.wait after WORK cycles of spinning (mode "entry")
-    sync      a full barrier (arrive.release + wait.acquire, or with
-              --relaxed arrive.relaxed + wait) after the spin
+    sync      a full barrier after the spin and a shared store (--first: its form)
     sync2     a second full barrier (arrive.relaxed + wait) right after
 
 gemm_mma.cu's pull-form cluster sum runs two full barriers at its end; the
@@ -48,15 +47,29 @@ probe(unsigned long long* out, const unsigned* data, int entry_arrive, int work,
   }
   const unsigned cta = blockIdx.x * gridDim.y + blockIdx.y;
   const unsigned v = __ldcg(data + (cta * 97u) % 4096u);
-  unsigned long long c2 = clk();
+  const unsigned long long c2a = clk();
+  __syncthreads();
+  const unsigned long long c2 = clk();
   // spin `work` cycles past entry (stands for the kernel's main loop); v keeps the load live
   unsigned acc = v;
   while (clk() - c0 < (unsigned long long)work) acc = acc * 1664525u + 1013904223u;
   const unsigned long long c3 = clk();
   if (entry_arrive) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   const unsigned long long c4 = clk();
-  if (relaxed)
+  __shared__ unsigned partial[128];
+  partial[threadIdx.x] = acc;  // as the kernel's partial tile: a shared store before the barrier
+  if (relaxed == 1)
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+                 "barrier.cluster.wait.aligned;" ::: "memory");
+  else if (relaxed == 2)
+    asm volatile("fence.acq_rel.cluster;\n"
+                 "barrier.cluster.arrive.relaxed.aligned;\n"
+                 "barrier.cluster.wait.aligned;" ::: "memory");
+  else if (relaxed == 3)
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  else if (relaxed == 4)
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
                  "barrier.cluster.wait.aligned;" ::: "memory");
   else
     asm volatile("barrier.cluster.arrive.release.aligned;\n"
@@ -68,18 +81,18 @@ probe(unsigned long long* out, const unsigned* data, int entry_arrive, int work,
   if (threadIdx.x == 0) {
     unsigned long long* o = out + cta * 8;
     o[0] = c1 - c0;  // arrive
-    o[1] = c2 - c1;  // load
+    o[1] = c2 - c2a;  // __syncthreads after the load
     o[2] = c4 - c3;  // wait
     o[3] = c5 - c4;  // sync
     o[4] = c6 - c5;  // sync2
     o[5] = c6 - c0;  // cycles in all
     o[6] = t6 - t0;  // ns in all
-    o[7] = t0 + (acc == 12345u ? 1u : 0u);  // entry (ns; acc kept live)
+    o[7] = t0 + (partial[(threadIdx.x + 1) & 127] == 12345u ? 1u : 0u);  // entry (ns; stores kept live)
   }
 }
 """
 
-FIELDS = ("arrive", "load", "wait", "sync", "sync2")
+FIELDS = ("arrive", "bar.sync", "wait", "sync", "sync2")
 
 
 def main() -> int:
@@ -89,7 +102,10 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=32, help="clusters along x")
     p.add_argument("--work", type=int, default=8000, help="cycles of spin before the waits")
     p.add_argument("--launches", type=int, default=20)
-    p.add_argument("--relaxed", action="store_true", help="the first full barrier without release/acquire")
+    p.add_argument("--first", type=int, default=0, choices=range(5),
+                   help="the first full barrier: 0 arrive.release + wait.acquire, 1 arrive.relaxed + "
+                        "wait, 2 fence.acq_rel.cluster + 1, 3 arrive.relaxed + wait.acquire, "
+                        "4 arrive.release + wait")
     args = p.parse_args()
 
     import cupy as cp
@@ -98,7 +114,7 @@ def main() -> int:
 
     info = harness.gpu_info()
     print(f"{info['gpu']}  commit {info.get('commit')}  128 threads a CTA, {args.groups} clusters "
-          f"along x, spin {args.work} cycles, first barrier {'relaxed' if args.relaxed else 'release'}; medians over CTAs and {args.launches} launches")
+          f"along x, spin {args.work} cycles, first barrier form {args.first}; medians over CTAs and {args.launches} launches")
     print(f"{'CL':>3} {'smem KB':>7} {'entry':>5} " + " ".join(f"{f:>15}" for f in FIELDS)
           + f" {'total':>15} {'skew':>8}")
     data = cp.arange(4096, dtype=cp.uint32)
@@ -116,7 +132,7 @@ def main() -> int:
                 for _ in range(args.launches):
                     flush.fill(1)  # 256 MB written: L2 dirty, as the TARGETS.md method leaves it
                     kern((args.groups, cl, 1), (128,), (out, data, np.int32(entry), np.int32(args.work),
-                                                          np.int32(args.relaxed)),
+                                                          np.int32(args.first)),
                          shared_mem=shared)
                     cp.cuda.Device().synchronize()
                     rows.append(out.get())
