@@ -155,42 +155,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
       "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
 #endif
 }
-// Split K in clusters, push form (gemm_mma.cu): the barrier's initialisation
-// made visible to the cluster (before the cluster barrier that tells the other
-// CTAs they may store into this one); the wait with acquire at cluster scope
-// (the other CTAs' asynchronous stores complete on it); the address of `addr`
-// (this CTA's shared window) in CTA `rank`'s; and a 16-byte asynchronous
-// store into another CTA's shared memory that completes on that CTA's
-// barrier (no release fence on the storing side).
-__device__ __forceinline__ void fence_mbarrier_init() {
-#if KBIT_HAS_WGMMA
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_wait_cluster(unsigned long long* bar, unsigned parity) {
-#if KBIT_HAS_WGMMA
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "KBIT_WAIT_CLUSTER:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra KBIT_WAIT_CLUSTER;\n"
-      "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
-#endif
-}
-__device__ __forceinline__ unsigned cluster_map(unsigned addr, int rank) {
-  unsigned remote = addr;
-#if KBIT_HAS_WGMMA
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-#endif
-  return remote;
-}
-__device__ __forceinline__ void st_async_f32x4(unsigned remote, float4 v, unsigned remote_bar) {
-#if KBIT_HAS_WGMMA
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-               :: "r"(remote), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar) : "memory");
-#endif
-}
 // The tensor copy engine: box (x, y) of the 2-D tensor map at `map` (global
 // memory, written by the host) into shared memory at `dst`, completing on
 // `bar`. Rows and columns outside the tensor are zero-filled.
