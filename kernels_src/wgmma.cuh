@@ -171,7 +171,7 @@ __device__ __forceinline__ void mbar_wait_cluster(unsigned long long* bar, unsig
       "{\n"
       ".reg .pred done;\n"
       "KBIT_WAIT_CLUSTER:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra KBIT_WAIT_CLUSTER;\n"
       "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
 #endif
