@@ -1121,23 +1121,6 @@ def _wg_m_chunks(M: int, k: int, N: int, K_dim: int, scale: str = "uint8") -> in
 
 _CLUSTER_RESIDENCY = 1  # _plan_launch's split within the resident clusters (0: not, A/B runs)
 
-# gemm_mma.cu KBIT_CLUSTER_PUSH: the cluster sum in push form where the launch
-# gives it its region past the tables (_plan_launch, where it fits the CTA and
-# leaves the clusters resident; the kernel runs the pull form otherwise); 0:
-# never (A/B runs).
-_CLUSTER_PUSH = 1
-
-
-def _cluster_push_bytes(cluster: int, m_tiles: int, warps: int = 4) -> int:
-    """Dynamic shared bytes of gemm_mma.cu's push-form cluster sum for clusters
-    of ``cluster`` CTAs (0: none) of ``warps`` warps at ``m_tiles`` n8 tiles:
-    the copies the other ranks send, [cluster - 1][units per rank][32 lanes]
-    float4 (a unit: one warp's n8 tile), then the mbarrier they complete on
-    (16 bytes)."""
-    if not (_CLUSTER_PUSH and cluster > 1):
-        return 0
-    return (cluster - 1) * math.ceil(warps * m_tiles / cluster) * 32 * 16 + 16
-
 
 def _resident_clusters(kern, threads: int, shared: int, cluster: int) -> int | None:
     """Clusters of ``cluster`` CTAs along y of ``kern`` (a loaded RawKernel,
@@ -1222,16 +1205,6 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
         resident = (_resident_clusters(kern, threads, shared, cluster)
                     if cluster and _CLUSTER_RESIDENCY else None)
-        # the push-form sum's region, where the CTA has room for it and the
-        # clusters stay as resident as without it (launch_ctas_per_sm opts in
-        # to its bytes first: the occupancy query counts none past them)
-        push = _cluster_push_bytes(cluster, m_tiles)
-        if push and launch_ctas_per_sm(kern, threads, shared + push) == 0:
-            push = 0
-        elif push and resident is not None and resident * cluster >= ctas:
-            with_push = _resident_clusters(kern, threads, shared + push, cluster)
-            if with_push is not None and with_push * cluster < ctas:
-                push = 0
         if resident is None or resident * cluster >= ctas:
             break
         cap = splits - 1  # (at 1: whole groups or stream-K, no clusters: the loop ends)
@@ -1246,12 +1219,11 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     # gemm_mma.cu: CTA (group, segment[, chunk])
     grid = (groups, splits, chunks) if splits > 1 else (ctas, 1, chunks)
     map_tiles = m_tiles if threads > warps * 32 else 0
-    shared += push  # (a launch without clusters ignores it)
     launch = _launch.Launch(
         kern, grid, (threads,), shared, _GEMM_ARG_TYPES,
         (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
          units // ctas, units % ctas, workspace, counters, 0, 0, 0, 1, 0, 0))
-    return launch, map_tiles, cluster
+    return launch, map_tiles, _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
 
 
 # gemm_latency.cu stages the rows of A it multiplies, whole, in shared memory:

@@ -226,23 +226,6 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
 constexpr int kMaxClusterSplits = 8;
 
-// The cluster sum in push form (1; 0: always the pull form, for A/B runs): each
-// rank owns every ranks-th of its CTA's (warp, n8 tile) units of the partial
-// tile, u = warp * M_TILES + mt owned by rank u mod ranks. Each rank writes
-// the units others own to its stages, grouped by owner, and one thread copies
-// each owner's units with the copy engine into the owner's region (past the
-// tables: the owner's stages are busy until its own last multiply), completing
-// on the owner's mbarrier; the owner waits for its bytes, adds in rank order
-// its own registers and what it received, and stores C. No cluster barrier with
-// release semantics (H100: 0.5-0.6 us each, benchmarks/cluster_barrier_probe.py),
-// no remote loads, no exit barrier; one relaxed cluster barrier split across
-// the kernel proves the barriers initialised before the first copy. The pull
-// form (header) runs where the launch gave no region (gemm.py's
-// _cluster_push_bytes). Same sums, same bits.
-#ifndef KBIT_CLUSTER_PUSH
-#define KBIT_CLUSTER_PUSH 1
-#endif
-
 // Phase stamps, for benchmarks/mma_phases.py only (it builds this file with
 // -DKBIT_MMA_PHASES; otherwise they compile to nothing): lane 0 of each warp
 // of the first kMmaPhaseCtas CTAs (linear index over x, y, z) writes the
@@ -403,36 +386,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // route_ids: the ids (M) and the sorted order (M) follow
   int* route_id = row_start + experts + 1;
   int* route_order = route_id + (route_ids ? M : 0);
-  // Split K in a cluster, push form (see KBIT_CLUSTER_PUSH): where the launch
-  // gave the region ([ranks - 1][units per rank][32] float4, then the mbarrier),
-  // the owner's mbarrier expects the bytes the other ranks send it; the
-  // cluster arrival here is waited for before the first store into another CTA.
-  constexpr bool kClusterPush = KBIT_CLUSTER_PUSH && WG == 1 && !GROUPED && !kSlab && RPW == 1;
-  float4* const push_region = reinterpret_cast<float4*>(tile_cum);  // (16-byte aligned)
-  auto push_region_bytes = [&]() {
-    const int ranks = cluster_ranks();
-    return (unsigned)((ranks - 1) * ((warps * M_TILES + ranks - 1) / ranks)) * 512u;
-  };
-  auto push_bar = [&]() {
-    return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(push_region) + push_region_bytes());
-  };
-  auto cluster_push = [&]() {  // CTA- and cluster-uniform
-    return split_k && cluster_ranks() > 1 &&
-           (unsigned)(reinterpret_cast<char*>(push_bar()) - reinterpret_cast<char*>(x_stage)) + 8u <=
-               dynamic_smem_size();
-  };
-  if constexpr (kClusterPush) {
-    if (cluster_push()) {
-      if (threadIdx.x == 0) {
-        const int ranks = cluster_ranks(), rank = cluster_rank();
-        const int owned = (warps * M_TILES - rank + ranks - 1) / ranks;  // units u = rank mod ranks
-        mbar_init(push_bar(), 1);
-        mbar_expect_tx(push_bar(), (unsigned)((ranks - 1) * owned) * 512u);
-        fence_mbarrier_init();
-      }
-      cluster_arrive_relaxed();
-    }
-  }
   const int problem_groups = (row_tiles + warps * RPW - 1) / (warps * RPW);
   if constexpr (GROUPED) {
     // route_ids (moe_linear with few pairs): each CTA counts the pairs per
@@ -925,64 +878,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         // The host launches clusters of (1, splits, 1): a group's splits, all of
         // them. Any other shape would sum the wrong partials (a host bug).
         if (cluster_ranks() != (int)gridDim.y) __trap();
-        if constexpr (kClusterPush) {
-          if (cluster_push()) {
-            const int ranks = cluster_ranks(), rank = cluster_rank();
-            const int per_rank = (warps * M_TILES + ranks - 1) / ranks;
-            // the stages, as in the pull form below: free once all four warps
-            // are past their last multiply
-            __syncthreads();
-            float4* const out = reinterpret_cast<float4*>(x_stage + x_align);  // [owner][per_rank][32]
-            int owner = (warp * M_TILES) % ranks, row = (warp * M_TILES) / ranks;
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-              if (owner != rank)
-                out[(owner * per_rank + row) * 32 + lane] =
-                    make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]);
-              if (++owner == ranks) owner = 0, ++row;
-            }
-            fence_proxy_async();  // the copy engine reads what this thread wrote
-            cluster_wait();       // every CTA has started and initialised its mbarrier
-            __syncthreads();
-            if (threadIdx.x == 0) {
-              const unsigned region_addr = (unsigned)__cvta_generic_to_shared(push_region);
-              const unsigned bar_addr = (unsigned)__cvta_generic_to_shared(push_bar());
-              const unsigned out_addr = (unsigned)__cvta_generic_to_shared(out);
-              for (int o = 0; o < ranks; ++o) {
-                if (o == rank) continue;
-                const unsigned bytes = (unsigned)((warps * M_TILES - o + ranks - 1) / ranks) * 512u;
-                const int slot = rank - (rank > o ? 1 : 0);  // this rank's slot in o's region
-                bulk_copy_to_cluster(cluster_map(region_addr + (unsigned)(slot * per_rank) * 512u, o),
-                                     out_addr + (unsigned)(o * per_rank) * 512u, bytes,
-                                     cluster_map(bar_addr, o));
-              }
-            }
-            mbar_wait_cluster(push_bar(), 0);  // the other ranks' copies of this rank's units
-            mma_phase(4);
-            const int n = (seg_grp * warps + warp) * 16 + g;  // elements 2, 3: n + 8
-            owner = (warp * M_TILES) % ranks, row = (warp * M_TILES) / ranks;
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-              if (owner == rank) {
-                float4 v[kMaxClusterSplits];
-#pragma unroll
-                for (int q = 0; q < kMaxClusterSplits; ++q)
-                  v[q] = q == rank ? make_float4(acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3])
-                         : q < ranks ? push_region[((q - (q > rank ? 1 : 0)) * per_rank + row) * 32 + lane]
-                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                for (int q = 0; q < kMaxClusterSplits; ++q)
-                  if (q < ranks) add_f32x4(sum, v[q]);
-                store_acc_quad(C, N, M, n, mt * 8 + 2 * t, sum);  // elements 1, 3: m + 1
-              }
-              if (++owner == ranks) owner = 0, ++row;
-            }
-            if (threadIdx.x == 0) bulk_wait_read();  // the stages stay until the copies read them
-            mma_phase(5);  // no exit barrier: no CTA reads another's shared memory
-            return;
-          }
-        }
         // The stages hold the partial tiles: each warp has waited for its
         // multiplies (wgmma_wait<0>), the barrier for all four warps to be
         // done with the stages (no copy is in flight: the segment's last

@@ -72,26 +72,6 @@ __device__ __forceinline__ void cluster_sync_exit() {
                "barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
-// The two halves of a cluster barrier, for a phase split across the kernel:
-// arrive without ordering (gemm_mma.cu's push-form sum: near entry, so that a
-// later wait proves every CTA of the cluster has started and initialised its
-// barrier), then wait.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-// The launch's dynamic shared memory, in bytes.
-__device__ __forceinline__ unsigned dynamic_smem_size() {
-  unsigned n = 0;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-  return n;
-}
 // The float4 at shared address `addr` (16-byte aligned, this CTA's layout) in
 // CTA `rank` of the cluster.
 __device__ __forceinline__ float4 ld_cluster_f32x4(unsigned addr, int rank) {

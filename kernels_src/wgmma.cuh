@@ -155,52 +155,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
       "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
 #endif
 }
-// Split K in clusters, push form (gemm_mma.cu): the barrier's initialisation
-// made visible to the cluster (before the cluster barrier that tells the other
-// CTAs they may store into this one); the wait with acquire at cluster scope
-// (the other CTAs' asynchronous stores complete on it); the address of `addr`
-// (this CTA's shared window) in CTA `rank`'s.
-__device__ __forceinline__ void fence_mbarrier_init() {
-#if KBIT_HAS_WGMMA
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_wait_cluster(unsigned long long* bar, unsigned parity) {
-#if KBIT_HAS_WGMMA
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "KBIT_WAIT_CLUSTER:\n"
-      "mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra KBIT_WAIT_CLUSTER;\n"
-      "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
-#endif
-}
-__device__ __forceinline__ unsigned cluster_map(unsigned addr, int rank) {
-  unsigned remote = addr;
-#if KBIT_HAS_WGMMA
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-#endif
-  return remote;
-}
-// Copy `bytes` (a multiple of 16) of this CTA's shared memory at `src` to
-// shared address `remote` of another CTA of the cluster, completing on that
-// CTA's barrier `remote_bar` (the copy engine; the bytes must be visible to
-// the async proxy first: fence_proxy_async), and commit it to this thread's
-// bulk group; bulk_wait_read: until every committed copy has read its source.
-__device__ __forceinline__ void bulk_copy_to_cluster(unsigned remote, unsigned src, unsigned bytes,
-                                                     unsigned remote_bar) {
-#if KBIT_HAS_WGMMA
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               "cp.async.bulk.commit_group;"
-               :: "r"(remote), "r"(src), "r"(bytes), "r"(remote_bar) : "memory");
-#endif
-}
-__device__ __forceinline__ void bulk_wait_read() {
-#if KBIT_HAS_WGMMA
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-#endif
-}
 // The tensor copy engine: box (x, y) of the 2-D tensor map at `map` (global
 // memory, written by the host) into shared memory at `dst`, completing on
 // `bar`. Rows and columns outside the tensor are zero-filled.
