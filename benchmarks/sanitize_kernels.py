@@ -45,10 +45,11 @@ if args.only:
 shapes = [(1, 1, 32), (3, 7, 96), (17, 129, 64), (33, 768, 2048), (65, 130, 288), (8, 4096, 512),
           (1, 768, 14336), (64, 17, 4096), (33, 8449, 256), (64, 1024, 4096), (128, 700, 1024),
           (200, 96, 64),
-          (100, 770, 2048), (256, 520, 288)]  # wgmma: M chunks (gemm._wg_m_chunks) in clusters
+          (100, 770, 2048), (256, 520, 288),  # wgmma: M chunks (gemm._wg_m_chunks) in clusters
+          (100, 2000, 768)]  # 32-row chunks (three K tiles)
 if args.quick:
     shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96), (128, 700, 1024),
-                           (256, 520, 288)]
+                           (256, 520, 288), (100, 2000, 768)]
 count = 0
 if args.large_m:
     from kbit_cupy import gemm

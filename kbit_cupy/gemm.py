@@ -1098,22 +1098,46 @@ _WG_CHUNK_M_TILES = 8  # n8 tiles of a chunk
 # every k (one launch against two, or dequantize + cuBLAS).
 _WG_CHUNKS_TO_128_MIN_K = 4
 _WG_MAX_CHUNKS = 4
+# Layers of at most _WG_SHORT_K_TILES K tiles (768x2048: three) at 65..128
+# rows: chunks of _WG_SHORT_K_CHUNK_M_TILES n8 tiles (32 rows), at every k,
+# instead of 64-row chunks (or, k = 2 and 3, one 128-row launch). With three K
+# tiles the split K of 64-row chunks is 2 + 1 tiles; 32-row chunks give twice
+# the group-chunks at half the rows, and two CTAs per SM (k = 4: 113 KB
+# instead of 161). H100, kernel-only, in one process against 64-row chunks
+# (results/define_ab_h100_chunk_rows_684567d.txt, fp16): 768x2048 k = 4 at
+# 96 / 128 rows 0.93 / 0.92x the time, k = 2 against one 128-row launch 0.99 /
+# 0.90x; on 2048x768 and 2048x512 (8 K tiles) 32-row chunks were up to 10%
+# slower at 96..128 rows, and on every layer past 128 rows mostly slower
+# (0.83-1.1x), so not there. 0: never (A/B runs).
+_WG_SHORT_K_TILES = 3
+_WG_SHORT_K_CHUNK_M_TILES = 4
+
+
+def _wg_chunk_m_tiles(M: int, K_dim: int) -> int:
+    """n8 tiles of an M chunk (_wg_m_chunks) for ``M`` rows of A on a layer
+    of ``K_dim`` columns: _WG_SHORT_K_CHUNK_M_TILES on short layers at 65..128
+    rows, else _WG_CHUNK_M_TILES."""
+    if (_WG_SHORT_K_CHUNK_M_TILES and _tile_counts(1, K_dim)[1] <= _WG_SHORT_K_TILES
+            and 8 * _WG_CHUNK_M_TILES < M <= 16 * _WG_CHUNK_M_TILES):
+        return _WG_SHORT_K_CHUNK_M_TILES
+    return _WG_CHUNK_M_TILES
 
 
 def _wg_m_chunks(M: int, k: int, N: int, K_dim: int, scale: str = "uint8") -> int:
-    """Chunks of _WG_CHUNK_M_TILES n8 tiles along grid z for a Hopper-path
-    launch of ``M`` rows (1: none; at 65..128 rows also 1 below
-    _WG_CHUNKS_TO_128_MIN_K): 2.._WG_MAX_CHUNKS where a chunk's launch
+    """Chunks of _wg_chunk_m_tiles n8 tiles along grid z for a Hopper-path
+    launch of ``M`` rows (1: none; at 65..128 rows in 64-row chunks also 1
+    below _WG_CHUNKS_TO_128_MIN_K): 2.._WG_MAX_CHUNKS where a chunk's launch
     takes one warpgroup a CTA (_wg_warpgroups: a small layer) and can split K
     in clusters (its CTAs then reduce without the workspace, whose slots and
     counters the kernel also keeps per chunk)."""
-    rows = 8 * _WG_CHUNK_M_TILES
+    tiles = _wg_chunk_m_tiles(M, K_dim)
+    rows = 8 * tiles
     if not (_WG_M_CHUNKS and not _WG_WARPGROUPS and rows < M <= rows * _WG_MAX_CHUNKS):
         return 1  # (_WG_WARPGROUPS: an A/B run's warpgroups, no chunks)
-    if M <= 2 * rows and k < _WG_CHUNKS_TO_128_MIN_K:
+    if tiles == _WG_CHUNK_M_TILES and M <= 2 * rows and k < _WG_CHUNKS_TO_128_MIN_K:
         return 1
     rt_n, kt_n = _tile_counts(N, K_dim)
-    if (_wg_warpgroups(_WG_CHUNK_M_TILES, k, rt_n, kt_n, scale) != 1
+    if (_wg_warpgroups(tiles, k, rt_n, kt_n, scale) != 1
             or not _wg_cluster_capable(True, 1, 128)):
         return 1
     return math.ceil(M / rows)
@@ -1145,16 +1169,17 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     """(Launch, tensor-map n8 tiles or 0, CTAs per cluster along y or 0) of
     gemm_mma.cu for ``M`` rows of A: up to 64 (mma) or 256 (wg: the wgmma
     path; 129..256 warp-specialised, which needs a tensor map of A per call,
-    or ``chunks`` > 1 chunks of _WG_CHUNK_M_TILES n8 tiles along grid z, see
+    or ``chunks`` > 1 chunks of _wg_chunk_m_tiles n8 tiles along grid z, see
     _wg_m_chunks). A and C are set per call."""
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
+        chunk_tiles = _wg_chunk_m_tiles(M, K_dim)
         m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)
-                       if 8 * t >= (M if chunks == 1 else 8 * _WG_CHUNK_M_TILES))
+                       if 8 * t >= (M if chunks == 1 else 8 * chunk_tiles))
         wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n, weight.absmax.dtype.name)
-        if chunks > 1 and (wgs != 1 or m_tiles != _WG_CHUNK_M_TILES):
+        if chunks > 1 and (wgs != 1 or m_tiles != chunk_tiles):
             raise AssertionError("M chunks need one warpgroup at the chunk's n8 tiles")
         per_warp, warps = 1, 4 * wgs
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,

@@ -557,7 +557,8 @@ def test_m_chunk_launch_geometry(monkeypatch):
 
 def test_m_chunks_on_small_layers_only(monkeypatch):
     """65..256 rows of a small layer run as 64-row chunks along grid z of one
-    launch (gemm._wg_m_chunks), where a chunk takes one warpgroup and the GPU
+    launch (gemm._wg_m_chunks; 32-row chunks at 65..128 rows on layers of at
+    most three K tiles), where a chunk takes one warpgroup and the GPU
     launches clusters; never at 64 rows or fewer, past 256, on layers whose
     units fill the SMs, or without clusters; and the work split of chunks is
     always split K (whole segments, never stream-K)."""
@@ -567,7 +568,15 @@ def test_m_chunks_on_small_layers_only(monkeypatch):
     monkeypatch.setattr(_launch, "cluster_launch_supported", lambda: True)
     for M, chunks in ((1, 1), (64, 1), (65, 2), (128, 2), (129, 3), (200, 4), (256, 4), (257, 1)):
         assert gemm._wg_m_chunks(M, 4, 768, 2048) == chunks, M
-    assert gemm._wg_m_chunks(128, 5, 2048, 768) == 2  # 768x2048
+    # 768x2048 (three K tiles) at 65..128 rows: 32-row chunks at every k
+    for M, chunks in ((64, 1), (65, 3), (96, 3), (128, 4), (129, 3), (256, 4)):
+        for k in (2, 3, 4, 5):
+            assert gemm._wg_m_chunks(M, k, 2048, 768) == chunks, (M, k)
+    assert gemm._wg_chunk_m_tiles(100, 768) == 4 and gemm._wg_chunk_m_tiles(100, 1024) == 8
+    monkeypatch.setattr(gemm, "_WG_SHORT_K_CHUNK_M_TILES", 0)
+    assert gemm._wg_m_chunks(128, 5, 2048, 768) == 2
+    assert gemm._wg_m_chunks(128, 3, 2048, 768) == 1
+    monkeypatch.setattr(gemm, "_WG_SHORT_K_CHUNK_M_TILES", 4)
     for k, chunks in ((2, 1), (3, 1), (4, 2), (5, 2)):  # k = 2, 3: one 128-row launch to 128 rows
         assert gemm._wg_m_chunks(100, k, 768, 2048) == chunks, k
         assert gemm._wg_m_chunks(129, k, 768, 2048) == 3, k

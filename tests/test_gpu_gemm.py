@@ -287,8 +287,9 @@ def test_wgmma_split_k_in_clusters(monkeypatch, dtype, k):
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_wgmma_m_chunks(monkeypatch, dtype, k):
     """65..256 rows on small layers: one Hopper-path launch whose 64-row
-    chunks run along grid z (gemm._wg_m_chunks; gemm_mma.cu "M chunks"), a
-    last chunk of 1..64 rows, N leaving the last group short, K_dim past the
+    chunks (32-row on layers of at most three K tiles at 65..128 rows) run
+    along grid z (gemm._wg_m_chunks; gemm_mma.cu "M chunks"), a last chunk of
+    1..64 rows, N leaving the last group short, K_dim past the
     last whole K tile: exact to the reference, every element written, the
     same bits again, and the same bits through the workspace (the plan's
     fallback where the cluster does not fit), whose slots and counters are
@@ -302,12 +303,14 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
     for M in (65, 100, 128, 129, 200, 256):
         for N, K_dim in [(770, 2048), (2000, 768), (300, 1280), (520, 288)]:
             chunks = gemm._wg_m_chunks(M, k, N, K_dim)
-            if M <= 128 and k < gemm._WG_CHUNKS_TO_128_MIN_K:
+            rows = 8 * gemm._wg_chunk_m_tiles(M, K_dim)  # 32 on the short layers at 65..128 rows
+            assert rows == (32 if M <= 128 and K_dim <= 768 else 64), (M, K_dim, rows)
+            if M <= 128 and k < gemm._WG_CHUNKS_TO_128_MIN_K and rows == 64:
                 assert chunks == 1  # one 128-row launch there (test_wgmma_split_k_in_clusters)
                 continue
             if chunks == 1:  # (a GPU of few SMs: not these launches)
                 continue
-            assert chunks == math.ceil(M / 64), (M, N, K_dim, chunks)
+            assert chunks == math.ceil(M / rows), (M, N, K_dim, chunks)
             w, A, C = run_case(M, N, K_dim, k, dtype, "wgmma", seed=N + M)
             plan = next(p for p in w._plans.values() if p.choice == "wgmma")
             assert len(plan.launches) == 1 and plan.launches[0][0].grid[2] == chunks, plan.launches
