@@ -1099,27 +1099,35 @@ _WG_CHUNK_M_TILES = 8  # n8 tiles of a chunk
 _WG_CHUNKS_TO_128_MIN_K = 4
 _WG_MAX_CHUNKS = 4
 # Layers of at most _WG_SHORT_K_TILES K tiles (768x2048: three) at 65..128
-# rows: chunks of _WG_SHORT_K_CHUNK_M_TILES n8 tiles (32 rows), at every k,
-# instead of 64-row chunks (or, k = 2 and 3, one 128-row launch). With three K
-# tiles the split K of 64-row chunks is 2 + 1 tiles; 32-row chunks give twice
-# the group-chunks at half the rows, and two CTAs per SM (k = 4: 113 KB
-# instead of 161). H100, kernel-only, in one process against 64-row chunks
-# (results/define_ab_h100_chunk_rows_684567d.txt, fp16): 768x2048 k = 4 at
-# 96 / 128 rows 0.93 / 0.92x the time, k = 2 against one 128-row launch 0.99 /
-# 0.90x; on 2048x768 and 2048x512 (8 K tiles) 32-row chunks were up to 10%
-# slower at 96..128 rows, and on every layer past 128 rows mostly slower
-# (0.83-1.1x), so not there. 0: never (A/B runs).
+# rows, where their 32-row chunks' groups fit one CTA per SM: chunks of
+# _WG_SHORT_K_CHUNK_M_TILES n8 tiles (32 rows), at every k, instead of 64-row
+# chunks (or, k = 2 and 3, one 128-row launch). With three K tiles the split K
+# of 64-row chunks is 2 + 1 tiles; 32-row chunks give twice the group-chunks
+# at half the rows, and two CTAs per SM (k = 4: 113 KB instead of 161). H100,
+# kernel-only, in one process, time with over without
+# (results/define_ab_h100_short_k_chunks_off_9c54103*.txt, k 2..5, fp16; bf16
+# at k = 4): 768x2048 at 112..128 rows 0.89-0.93 at every k, at 65..96 k = 4
+# 0.91-0.94 and the others 0.98-1.01; 512x2048 at 65..128 0.78-0.83 (k = 2, 3),
+# 0.93-0.99 (k = 4, 5). On 768x4096 (64 groups: 192 group-chunks at 65..96
+# rows) k = 4 and 5 were 1.03-1.24x slower (k = 5's 128 KB table: one CTA per
+# SM, two waves), hence the fit; on 2048x768 and 2048x512 (8 K tiles) 32-row
+# chunks were up to 10% slower at 96..128 rows, and past 128 rows mostly
+# slower on every layer (results/define_ab_h100_chunk_rows_684567d.txt).
+# 0: never (A/B runs).
 _WG_SHORT_K_TILES = 3
 _WG_SHORT_K_CHUNK_M_TILES = 4
 
 
-def _wg_chunk_m_tiles(M: int, K_dim: int) -> int:
-    """n8 tiles of an M chunk (_wg_m_chunks) for ``M`` rows of A on a layer
-    of ``K_dim`` columns: _WG_SHORT_K_CHUNK_M_TILES on short layers at 65..128
-    rows, else _WG_CHUNK_M_TILES."""
-    if (_WG_SHORT_K_CHUNK_M_TILES and _tile_counts(1, K_dim)[1] <= _WG_SHORT_K_TILES
-            and 8 * _WG_CHUNK_M_TILES < M <= 16 * _WG_CHUNK_M_TILES):
-        return _WG_SHORT_K_CHUNK_M_TILES
+def _wg_chunk_m_tiles(M: int, N: int, K_dim: int) -> int:
+    """n8 tiles of an M chunk (_wg_m_chunks) for ``M`` rows of A on an N x
+    K_dim weight: _WG_SHORT_K_CHUNK_M_TILES on short layers at 65..128 rows
+    whose chunks' groups (4 row tiles each) fit one CTA per SM, else
+    _WG_CHUNK_M_TILES."""
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    t = _WG_SHORT_K_CHUNK_M_TILES
+    if (t and kt_n <= _WG_SHORT_K_TILES and 8 * _WG_CHUNK_M_TILES < M <= 16 * _WG_CHUNK_M_TILES
+            and math.ceil(M / (8 * t)) * math.ceil(rt_n / 4) <= _sm_count()):
+        return t
     return _WG_CHUNK_M_TILES
 
 
@@ -1130,7 +1138,7 @@ def _wg_m_chunks(M: int, k: int, N: int, K_dim: int, scale: str = "uint8") -> in
     takes one warpgroup a CTA (_wg_warpgroups: a small layer) and can split K
     in clusters (its CTAs then reduce without the workspace, whose slots and
     counters the kernel also keeps per chunk)."""
-    tiles = _wg_chunk_m_tiles(M, K_dim)
+    tiles = _wg_chunk_m_tiles(M, N, K_dim)
     rows = 8 * tiles
     if not (_WG_M_CHUNKS and not _WG_WARPGROUPS and rows < M <= rows * _WG_MAX_CHUNKS):
         return 1  # (_WG_WARPGROUPS: an A/B run's warpgroups, no chunks)
@@ -1175,7 +1183,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
-        chunk_tiles = _wg_chunk_m_tiles(M, K_dim)
+        chunk_tiles = _wg_chunk_m_tiles(M, N, K_dim)
         m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)
                        if 8 * t >= (M if chunks == 1 else 8 * chunk_tiles))
         wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n, weight.absmax.dtype.name)

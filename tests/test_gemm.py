@@ -572,7 +572,9 @@ def test_m_chunks_on_small_layers_only(monkeypatch):
     for M, chunks in ((64, 1), (65, 3), (96, 3), (128, 4), (129, 3), (256, 4)):
         for k in (2, 3, 4, 5):
             assert gemm._wg_m_chunks(M, k, 2048, 768) == chunks, (M, k)
-    assert gemm._wg_chunk_m_tiles(100, 768) == 4 and gemm._wg_chunk_m_tiles(100, 1024) == 8
+    assert gemm._wg_chunk_m_tiles(100, 2048, 768) == 4 and gemm._wg_chunk_m_tiles(100, 2048, 1024) == 8
+    # 768x4096: 64 groups, three chunks of 32 rows would be 192 CTAs at least
+    assert gemm._wg_chunk_m_tiles(65, 4096, 768) == 8 and gemm._wg_m_chunks(65, 4, 4096, 768) == 2
     monkeypatch.setattr(gemm, "_WG_SHORT_K_CHUNK_M_TILES", 0)
     assert gemm._wg_m_chunks(128, 5, 2048, 768) == 2
     assert gemm._wg_m_chunks(128, 3, 2048, 768) == 1
