@@ -1084,7 +1084,8 @@ def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int) -> int:
 
 
 # M chunks of the Hopper path (gemm_mma.cu, "M chunks"): on a small layer,
-# 65..256 rows run as 2..4 chunks of 64 rows along grid z, in one launch at
+# 65..256 rows run as 2..4 chunks of 64 rows (32 on short layers at 65..128
+# rows: _wg_chunk_m_tiles) along grid z, in one launch at
 # one warpgroup a CTA with split K in clusters, instead of one 128-row launch
 # (or, past 128 rows, dequantize + cuBLAS). 0: never (A/B runs).
 _WG_M_CHUNKS = 1
