@@ -1,23 +1,24 @@
-"""What a thread-block cluster barrier costs on this GPU (device only).
+"""What a thread-block cluster barrier costs on this GPU (device only, sm_90).
 
 A probe kernel launched as clusters of CL CTAs along y (``__cluster_dims__``,
 128 threads, the dynamic shared memory asked for) times with the SM clock,
-in thread 0 of every CTA:
+in thread 0 of every CTA, after a 256 MB overwrite (the TARGETS.md setting):
 
-    arrive    barrier.cluster.arrive.relaxed at entry (mode "entry" only)
-    bar.sync  a __syncthreads after one global load (in every mode)
-    wait      barrier.cluster.wait after WORK cycles of spinning (mode "entry")
-    sync      a full barrier after the spin and a shared store (--first: its form)
-    sync2     a second full barrier (arrive.relaxed + wait) right after
+    arrive    barrier.cluster.arrive.relaxed at entry (rows "entry 1" only)
+    bar.sync  a __syncthreads after one global load
+    wait      barrier.cluster.wait after --work cycles of spinning (rows "entry 1")
+    sync      a full barrier after the spin and one shared store, in the form
+              --first names (0: arrive.release + wait.acquire, gemm_mma.cu's
+              cluster_sync, which the pull-form cluster sum runs first)
+    sync2     a second full barrier (arrive.relaxed + wait) right after, as
+              the pull form's exit barrier
+    skew      the latest entry of a cluster's CTAs after its first (global timer)
 
-gemm_mma.cu's pull-form cluster sum runs two full barriers at its end; the
-push-form experiment (results/experiment_cluster_push_4ac907a.patch) also
-arrived at entry and measured about 1 us later at every point after it.
-"skew": the latest entry of a cluster's CTAs after its first (global
-timer). Medians over CTAs and launches, in cycles and (by the SM clock's rate, read
-from the same launches' global timer) in us.
+Medians over CTAs and launches, in cycles and (by the SM clock's rate, read
+from the same launches' global timer) in us. NOTES-gemm.md, "What a cluster
+barrier costs", has the H100's figures.
 
-    PYTHONPATH=. python benchmarks/cluster_barrier_probe.py [--clusters 2 4 8] [--shared-kb 0 160]
+    PYTHONPATH=. python benchmarks/cluster_barrier_probe.py [--clusters 2 4 8] [--shared-kb 0 160] [--first 0..4]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ __device__ __forceinline__ unsigned long long gtime() {
   return t;
 }
 extern "C" __global__ void __cluster_dims__(1, CL, 1)
-probe(unsigned long long* out, const unsigned* data, int entry_arrive, int work, int relaxed) {
+probe(unsigned long long* out, const unsigned* data, int entry_arrive, int work, int first) {
   const unsigned long long t0 = gtime(), c0 = clk();
   unsigned long long c1 = c0;
   if (entry_arrive) {
@@ -58,17 +59,17 @@ probe(unsigned long long* out, const unsigned* data, int entry_arrive, int work,
   const unsigned long long c4 = clk();
   __shared__ unsigned partial[128];
   partial[threadIdx.x] = acc;  // as the kernel's partial tile: a shared store before the barrier
-  if (relaxed == 1)
+  if (first == 1)
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
                  "barrier.cluster.wait.aligned;" ::: "memory");
-  else if (relaxed == 2)
+  else if (first == 2)
     asm volatile("fence.acq_rel.cluster;\n"
                  "barrier.cluster.arrive.relaxed.aligned;\n"
                  "barrier.cluster.wait.aligned;" ::: "memory");
-  else if (relaxed == 3)
+  else if (first == 3)
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
                  "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-  else if (relaxed == 4)
+  else if (first == 4)
     asm volatile("barrier.cluster.arrive.release.aligned;\n"
                  "barrier.cluster.wait.aligned;" ::: "memory");
   else
@@ -112,6 +113,10 @@ def main() -> int:
 
     from kbit_cupy.bench import harness
 
+    if cp.cuda.Device().compute_capability != "90":
+        print("cluster_barrier_probe: needs an sm_90 GPU (H100, H200); this one is sm_"
+              f"{cp.cuda.Device().compute_capability}")
+        return 2
     info = harness.gpu_info()
     print(f"{info['gpu']}  commit {info.get('commit')}  128 threads a CTA, {args.groups} clusters "
           f"along x, spin {args.work} cycles, first barrier form {args.first}; medians over CTAs and {args.launches} launches")
