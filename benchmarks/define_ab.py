@@ -50,6 +50,7 @@ def module_attributes(values: dict):
     """Inside: each ``module.ATTR`` of ``values`` (a module of kbit_cupy, e.g.
     ``gemm._LATENCY_HALF_TILES``) set to its value as an int; restored on exit."""
     saved = []
+    _clear_caches(values)
     try:
         for name, value in values.items():
             mod_name, attr = name.rsplit(".", 1)
@@ -60,6 +61,18 @@ def module_attributes(values: dict):
     finally:
         for mod, attr, value in reversed(saved):
             setattr(mod, attr, value)
+        _clear_caches(values)
+
+
+def _clear_caches(values: dict) -> None:
+    """Empties the functools caches of the modules named in ``values``: a cached
+    function (gemm._work_split) may read the attribute without taking it as an
+    argument, and would otherwise answer with what the other variant made."""
+    for name in values:
+        mod = importlib.import_module(f"kbit_cupy.{name.rsplit('.', 1)[0]}")
+        for obj in vars(mod).values():
+            if callable(getattr(obj, "cache_clear", None)):
+                obj.cache_clear()
 
 
 def kbit_variant(W, k: int, defines: dict, As, kernels=("auto",)):

@@ -27,8 +27,8 @@ parser.add_argument("--only", choices=["mma", "wgmma", "latency", "cluster"],
 parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5],
                     help="bit widths of the main sweep (racecheck of one kernel: --k 4 to fit a run)")
 parser.add_argument("--large-m", action="store_true",
-                    help="wgmma launches of 129..256 rows only (warp-specialised, tensor copies), "
-                         "both work splits")
+                    help="wgmma launches of 129..256 rows and their M chunks only "
+                         "(warp-specialised, tensor copies), both work splits")
 args = parser.parse_args()
 args.no_cublas = args.no_cublas or bool(args.only)
 if args.stream_k:
@@ -58,7 +58,9 @@ if args.large_m:
     for slack in (0.5, -10**6):  # the default choice, forced stream-K
         gemm._STREAM_K_SLACK = slack
         quick = args.quick  # racecheck: k=4, fp16, E4M4, two shapes
-        large_m_shapes = [(193, 129, 64), (256, 768, 2048), (200, 8449, 96), (250, 1000, 2304)]
+        large_m_shapes = [(193, 129, 64), (256, 768, 2048), (200, 8449, 96), (250, 1000, 2304),
+                          # slab chunks (gemm._wg_slab_chunks): split K, 2 x 256, 2 x 192 (k = 5)
+                          (512, 300, 1280), (480, 1000, 2304), (384, 520, 288)]
         for k in (4,) if quick else (2, 3, 4, 5):
             for fmt in ("e4m4",) if quick else ("e4m4", "fp16"):
                 for dtype in (np.float16,) if quick else (np.float16, BFLOAT16):

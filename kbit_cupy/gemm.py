@@ -526,6 +526,7 @@ class _GemmPlan:
             return
         weight.prepare()
         wg = self.choice == "wgmma"
+        slab_chunks = False
         if self.choice == "latency":
             step = _latency_rows(K_dim, dtype.itemsize)
         elif wg:
@@ -536,6 +537,9 @@ class _GemmPlan:
                 step = M  # one launch, its chunks along grid z
             elif M > step and _tensor_maps_available() and _slab_launch_ok(weight, dtype.name):
                 step = 8 * max(_jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name))
+                if _wg_slab_chunks(M, step):
+                    # one launch, its slab-staged chunks along grid z
+                    chunks, step, slab_chunks = math.ceil(M / step), M, True
         elif self.choice == "cluster":
             step = M  # one launch: its M chunks run along grid y
         else:
@@ -561,7 +565,8 @@ class _GemmPlan:
             if self.choice == "latency":
                 launch, map_tiles = _plan_latency_launch(rows, weight, dtype), 0
             else:
-                launch, map_tiles, cluster = _plan_launch(rows, weight, dtype, wg, stream, chunks)
+                launch, map_tiles, cluster = _plan_launch(rows, weight, dtype, wg, stream, chunks,
+                                                          slab_chunks)
             run = _launch.PdlLaunch(launch) if pdl else launch
             if cluster:  # split K in clusters, where they fit (else the workspace: same bits)
                 ex = _launch.PdlLaunch(launch, pdl=pdl, cluster=cluster, cluster_axis=1)
@@ -774,6 +779,25 @@ def has_wgmma() -> bool:
 #   rows (1.5% more); at 129..256 (H200) mixed, down to 0.44x cuBLAS against
 #   0.58x. So wgmma at 65..128 from 2^22 to 2^23 weights (measured at 2^22
 #   only), the cluster split to 64 rows, dequantize + cuBLAS beyond.
+# - wg_max (sm_90, k = 2..4) on "large" and "mid" layers since the slab
+#   chunks (_wg_slab_chunks: past 256 rows one launch, its 256-row chunks
+#   along grid z, whole groups a CTA), in one process against dequantize +
+#   cuBLAS (results/define_ab_h{100,200}_slab_chunks_*_20ab445+.txt, fp16):
+#   H100 k = 4 wgmma / cuBLAS fp16 at 512 / 1024 / 2048 rows 0.85 / 0.89 /
+#   0.89x on 4096x28672, 0.90 / 0.92 / 0.92 on 14336x4096, 0.97 / 0.95 / 0.97
+#   on 8192x57344, 0.98 / 0.95 / 0.97 on 28672x8192, where dequantize +
+#   cuBLAS ran 0.59-0.89x; k = 2 and 3 the same within 4%; at 4096 rows
+#   within 3% of dequantize + cuBLAS either way on both GPUs (H200: it 1-4%
+#   faster on three layers of four), so wgmma to 2048 rows. k = 5 (192-row
+#   chunks) lost from 1024 rows (0.60-0.69x against 0.73x): its rows stay.
+#   Mid (4096x6144): wgmma 0.77-0.80x at 512 rows (96 group-chunks) against
+#   0.62-0.66x; at 1024 (192 group-chunks: 1.45 waves of one CTA an SM)
+#   0.70-0.72x against 0.74-0.78x; at 384 (launches of 256 and 128 rows)
+#   0.54-0.57x against 0.61-0.64x. So to 512 rows, but at 257..384 (no
+#   chunks there) dequantize + cuBLAS: choose_kernel. On 4096x4096 and
+#   5120x5120 at 448 and 512 rows (two chunks) wgmma took 0.80-0.96x the
+#   time of dequantize + cuBLAS (H100, k = 2 and 4,
+#   results/large_m_h100_onewave_experiment_*).
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -800,27 +824,32 @@ class DispatchRule:
 _HUGE = 1 << 27  # weights
 _FAST_TBPS = 4.0  # peak memory bandwidth (TB/s) from which the H200's rows apply (H100: 3.35)
 _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layers
+# wgmma's last rows (k = 2..4; sm_90) on "large" and "mid" layers since its
+# slab chunks (_wg_slab_chunks; see the table's notes)
+_WG_LARGE_MAX = 2048
+_WG_MID_MAX = 512
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
-    DispatchRule(True, "large", 16, 512, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
-    DispatchRule(True, "large", 8, 512, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
-    DispatchRule(True, "large", 8, 1024, ks=(4,), min_weights=_HUGE, min_tbps=_FAST_TBPS),
-    DispatchRule(True, "large", 8, 512, ks=(4,), min_weights=1 << 26, min_tbps=_FAST_TBPS),
-    DispatchRule(True, "large", 8, 1024, ks=(4,), min_weights=1 << 28),
-    DispatchRule(True, "large", 8, 1024, ks=(2,), min_weights=_HUGE),
-    DispatchRule(True, "large", 8, 512, ks=(2,), fp16=False),
-    DispatchRule(True, "large", 16, 1024, ks=(3, 4), min_weights=_HUGE),
+    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(4,), min_weights=_HUGE, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(4,), min_weights=1 << 26, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(4,), min_weights=1 << 28),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), min_weights=_HUGE),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=False),
+    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(3, 4), min_weights=_HUGE),
     DispatchRule(True, "large", 8, 256, ks=(5,), max_weights=_HUGE, min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 8, 512, ks=(5,), min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
-    DispatchRule(True, "large", 16, 512),
-    DispatchRule(True, "mid", 64, 256, ks=(2,), lat_max=8),
+    DispatchRule(True, "large", 16, 512, ks=(5,)),
+    DispatchRule(True, "large", 16, _WG_LARGE_MAX),
+    DispatchRule(True, "mid", 64, _WG_MID_MAX, ks=(2,), lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=1 << 25, lat_max=4),
     DispatchRule(True, "mid", 32, 256, ks=(5,)),
-    DispatchRule(True, "mid", 64, 256, max_weights=_MID_LATENCY, lat_max=8),
-    DispatchRule(True, "mid", 64, 256, ks=(3,), fp16=True, lat_max=4),
-    DispatchRule(True, "mid", 64, 256),
+    DispatchRule(True, "mid", 64, _WG_MID_MAX, max_weights=_MID_LATENCY, lat_max=8),
+    DispatchRule(True, "mid", 64, _WG_MID_MAX, ks=(3,), fp16=True, lat_max=4),
+    DispatchRule(True, "mid", 64, _WG_MID_MAX),
     DispatchRule(True, "small", 16, 256, max_weights=1 << 22, lat_max=16),
     DispatchRule(True, "small", 64, 128, max_weights=1 << 23, lat_max=16, cl_max=64),
     DispatchRule(True, "small", 64, 64, lat_max=16, cl_max=64),  # (not measured since the above)
@@ -882,6 +911,13 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         return "latency"
     if M <= cl_max:
         return "cluster"
+    if (M > 256 and M <= wg_max and M % 256 and M % 256 <= 128 and k != 5
+            and _layer_class(N, K_dim, k, bool(wgmma)) == "mid"):
+        # 257..384 rows on a mid layer: wgmma's launches of 256 rows and the
+        # rest (no slab chunks: _wg_slab_chunks) lost to dequantize + cuBLAS
+        # (4096x6144 at 384 rows, H100: 1.12x its time); 385..512 rows run as
+        # two chunks and won (see the table's notes)
+        return "dequant"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 
 
@@ -1099,6 +1135,25 @@ _WG_CHUNK_M_TILES = 8  # n8 tiles of a chunk
 # every k (one launch against two, or dequantize + cuBLAS).
 _WG_CHUNKS_TO_128_MIN_K = 4
 _WG_MAX_CHUNKS = 4
+# Past the slab-staged variant's rows (256; 192 at k = 5 and k = 2 with fp16
+# scales), one launch of that many rows a chunk along grid z, each CTA whole
+# groups of one chunk (split K only where the chunks' groups leave SMs idle),
+# instead of one launch per 256 rows, each split by stream-K. 0: the launches
+# (A/B runs).
+_WG_SLAB_CHUNKS = 1
+
+
+def _wg_slab_chunks(M: int, rows: int) -> bool:
+    """Whether ``M`` rows run as one launch of ``rows``-row slab-staged chunks
+    (_WG_SLAB_CHUNKS): past ``rows`` rows where the last chunk is more than
+    half full; else launches of ``rows`` rows and the rest (384 rows as 256 +
+    128, not two chunks of 256). Taking them also where all the chunks'
+    groups fit one wave was measured on the mid layers (H100, k = 2 and 4,
+    results/large_m_h100_onewave_experiment_*): against dequantize + cuBLAS
+    it won at 320..384 rows on 4096x6144 (0.85-0.93x its time) but lost at
+    260..384 on 4096x4096 and 5120x5120 (up to 1.5x) and was not measured on
+    the large layers (14336x4096: 64 group-chunks at 257..384 rows): not kept."""
+    return bool(_WG_SLAB_CHUNKS) and M > rows and (M % rows == 0 or M % rows > rows // 2)
 # Layers of at most _WG_SHORT_K_TILES K tiles (768x2048: three) at 65..128
 # rows, where their 32-row chunks' groups fit one CTA per SM: chunks of
 # _WG_SHORT_K_CHUNK_M_TILES n8 tiles (32 rows), at every k, instead of 64-row
@@ -1174,22 +1229,26 @@ def _resident_clusters(kern, threads: int, shared: int, cluster: int) -> int | N
 _cluster_cache: dict[tuple, int] = {}
 
 
-def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunks: int = 1):
+def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunks: int = 1,
+                 slab_chunks: bool = False):
     """(Launch, tensor-map n8 tiles or 0, CTAs per cluster along y or 0) of
     gemm_mma.cu for ``M`` rows of A: up to 64 (mma) or 256 (wg: the wgmma
-    path; 129..256 warp-specialised, which needs a tensor map of A per call,
-    or ``chunks`` > 1 chunks of _wg_chunk_m_tiles n8 tiles along grid z, see
-    _wg_m_chunks). A and C are set per call."""
+    path; 129..256 warp-specialised, which needs a tensor map of A per call),
+    or on the wgmma path ``chunks`` > 1 chunks along grid z: of
+    _wg_chunk_m_tiles n8 tiles (_wg_m_chunks), or with ``slab_chunks`` of the
+    slab-staged variant's rows (_wg_slab_chunks). A and C are set per call."""
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
-        chunk_tiles = _wg_chunk_m_tiles(M, N, K_dim)
-        m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, weight.absmax.dtype.name)
+        scale = weight.absmax.dtype.name
+        slab = chunks > 1 and slab_chunks
+        chunk_tiles = max(_jit.gemm_wg_m_tiles(weight.k, scale)) if slab else _wg_chunk_m_tiles(M, N, K_dim)
+        m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, scale)
                        if 8 * t >= (M if chunks == 1 else 8 * chunk_tiles))
-        wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n, weight.absmax.dtype.name)
-        if chunks > 1 and (wgs != 1 or m_tiles != chunk_tiles):
-            raise AssertionError("M chunks need one warpgroup at the chunk's n8 tiles")
+        wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n, scale)
+        if chunks > 1 and (m_tiles != chunk_tiles or not (slab or wgs == 1)):
+            raise AssertionError("M chunks need one warpgroup at the chunk's n8 tiles, or slab staging")
         per_warp, warps = 1, 4 * wgs
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
                                m_tiles, 1, wgs)
@@ -1245,8 +1304,11 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     units = groups * chunks * group_units
     if units >= 2**31:
         raise ValueError(f"weight too large for the mma kernel ({N}x{K_dim}); use kernel='dequant'")
-    # fp32 partials of split groups: two slots per CTA (its first and last group)
-    workspace = _workspace(2 * ctas * warps * per_warp * m_tiles * 32 * 4, stream)
+    # fp32 partials of split groups: two slots per CTA (its first and last
+    # group); none where every CTA runs whole groups (slab chunks at one
+    # segment a group: 2 x 128 KB a CTA would be gigabytes there)
+    whole = chunks > 1 and splits == 1
+    workspace = _workspace(4 if whole else 2 * ctas * warps * per_warp * m_tiles * 32 * 4, stream)
     counters = _counters(rt_n * chunks, stream)
     ctas //= chunks  # per chunk (grid z)
     units //= chunks

@@ -307,9 +307,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // consumer warps.
   constexpr bool kSlab = WG && M_TILES >= kSlabMinTiles;
   const int warps = kSlab ? 4 * WG : blockDim.x / 32, warp = threadIdx.x / 32;
-  // M chunks (gemm.py's _wg_m_chunks): grid z cuts the rows of A and C into
-  // chunks of 8 * M_TILES, each its own problem of this launch's geometry,
-  // with its own workspace slots and counters.
+  // M chunks (gemm.py's _wg_m_chunks, _wg_slab_chunks): grid z cuts the rows
+  // of A and C into chunks of 8 * M_TILES, each its own problem of this
+  // launch's geometry, with its own workspace slots and counters. Slab
+  // staging's producer reads its chunk's rows through the tensor map of all
+  // M rows (rows past M read as zeros); its consumers offset C, M, the
+  // workspace and the counters where they use them (chunk_*): parameters
+  // changed here would take registers for the whole kernel (the 24-tile slab
+  // variants then spill 32-104 bytes). blockIdx.z is 0 without chunks.
   if constexpr (WG && !GROUPED && !kSlab) {
     if (gridDim.z > 1) {
       const int m0 = (int)blockIdx.z * 8 * M_TILES;
@@ -821,8 +826,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             if (s >= kStages) named_sync(bar_empty(slot), kEmptyCount);
             if (lane == 0) {
               mbar_expect_tx(slab_bar + slot, kStageChunks * 16);
-              tma_load_2d(x_base + slot * (kStageChunks * 16), a_map, (pkt + i) * 256 + sl * 64, 0,
-                          slab_bar + slot);
+              tma_load_2d(x_base + slot * (kStageChunks * 16), a_map, (pkt + i) * 256 + sl * 64,
+                          (int)blockIdx.z * 8 * M_TILES, slab_bar + slot);
             }
             publish(s - kLag);
           }
@@ -917,10 +922,16 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       }
     }
     const int g_begin = seg_grp * group_units;
+    // Slab staging's M chunk (see "M chunks" above): its rows of C, the rows
+    // it has, its workspace slots and counters.
+    const int chunk_m0 = kSlab ? (int)blockIdx.z * 8 * M_TILES : 0;
+    T* const chunk_C = C + (long long)chunk_m0 * N;
+    const int chunk_M = kSlab ? min(M - chunk_m0, 8 * M_TILES) : M;
     // workspace slot of CTA c's segment of this group: its first or its last
     auto slot_part = [&](int c, int r) {
       const int slot = 2 * c + (range_start(c) < g_begin ? 1 : 0);
-      return workspace + ((((long long)slot * warps + warp) * RPW + r) * M_TILES * 32 + lane) * 4;
+      const long long chunk = kSlab ? (long long)blockIdx.z * (2 * gridDim.x * gridDim.y) * warps * M_TILES * 32 * 4 : 0;
+      return workspace + chunk + ((((long long)slot * warps + warp) * RPW + r) * M_TILES * 32 + lane) * 4;
     };
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
@@ -928,7 +939,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       if (rt >= row_tiles) continue;  // warp-uniform
       // grouped: one counter set per problem (recomputed where used: a pointer
       // kept live across the reduction costs the non-grouped kernels registers)
-      auto counter = [&]() { return GROUPED ? counters + pl.p * row_tiles + rt : counters + rt; };
+      auto counter = [&]() {
+        return GROUPED ? counters + pl.p * row_tiles + rt
+                       : counters + (kSlab ? (int)blockIdx.z * row_tiles : 0) + rt;
+      };
       if (!whole) {
         float* mine = slot_part(cta, r);
 #pragma unroll
@@ -1034,7 +1048,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             }
           }
         }
-      } else if (KBIT_FAST_STORE && (rt + 1) * 16 <= N && 8 * M_TILES <= M) {
+      } else if (KBIT_FAST_STORE && (rt + 1) * 16 <= N && 8 * M_TILES <= chunk_M) {
         // The whole 16 x 8 M_TILES tile in bounds (warp-uniform): stores
         // without a check each, from one row pointer per n8 tile. The checked
         // form below compiles to a branch around each store (about 12
@@ -1048,7 +1062,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         // (define_ab_h200_fast_store_whole_only_off_15759a0.txt). The same
         // form in the cluster sum's store_acc_quad was 2-9% slower there
         // (define_ab_h200_fast_store_off_15759a0.txt), so that one keeps its checks.
-        T* c = C + (long long)(2 * t) * N + rt * 16 + g;
+        T* c = chunk_C + (long long)(2 * t) * N + rt * 16 + g;
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt, c += 8LL * N) {
           Mma<T>::store(c, acc[r][mt][0]);
@@ -1063,7 +1077,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           for (int i = 0; i < 4; ++i) {
             const int n = rt * 16 + g + 8 * (i >> 1);
             const int m = mt * 8 + 2 * t + (i & 1);
-            if (n < N && m < M) Mma<T>::store(C + (long long)m * N + n, acc[r][mt][i]);
+            if (n < N && m < chunk_M) Mma<T>::store(chunk_C + (long long)m * N + n, acc[r][mt][i]);
           }
         }
       }

@@ -327,6 +327,55 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_wgmma_slab_chunks(monkeypatch, dtype, k):
+    """Past the slab-staged variant's rows (256; 192 at k = 5): one launch of
+    that many rows a chunk along grid z (gemm._wg_slab_chunks), whole groups
+    a CTA or, where the chunks' groups leave SMs idle, split K through the
+    workspace with slots and counters per chunk. A last chunk of a few rows
+    more than half of one, N leaving the last group short, K_dim past the last
+    whole K tile: close to the reference, every element written and nothing
+    past C's last row, the same bits again; and M whose last chunk would be
+    at most half full runs as launches, as with the chunks off."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, gemm
+
+    needs_kernel("wgmma")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    rows = 8 * max(_jit.gemm_wg_m_tiles(k, "uint8"))
+    split = whole = 0
+    for M, N, K_dim, expect in [(2 * rows, 1000, 1280, True), (3 * rows - 40, 300, 4096, True),
+                                (4 * rows, 4100, 512, True), (2 * rows + rows // 2 + 3, 2000, 2304, True),
+                                (2 * rows + 16, 1000, 1280, False), (2 * rows + 16, 8200, 256, False)]:
+        chunks = math.ceil(M / rows) if gemm._wg_slab_chunks(M, rows) else 1
+        assert (chunks > 1) == expect or sms < 132, (M, N, rows, chunks)
+        rng = np.random.default_rng(M + N)
+        A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.dtype(dtype)))
+        w = quantize_weight(cp.asarray(rng.standard_normal((N, K_dim)).astype(np.float32)), k=k)
+        buf = cp.full((M + 8, N), np.nan, dtype=np.dtype(dtype))  # poison, 8 rows past C too
+        C = kbit_gemm(A, w, out=buf[:M], kernel="wgmma")
+        host = cp.asnumpy(buf).astype(np.float64)
+        assert np.isfinite(host[:M]).all(), (M, N, K_dim, "some outputs were not written")
+        assert np.isnan(host[M:]).all(), (M, N, K_dim, "written past C's last row")
+        ref = cp.asnumpy(A).astype(np.float64) @ cp.asnumpy(w.dequantize(np.float32)).astype(np.float64).T
+        err = np.linalg.norm(host[:M] - ref) / np.linalg.norm(ref)
+        assert err <= TOL[np.dtype(dtype)], (M, N, K_dim, err)
+        again = kbit_gemm(A, w, kernel="wgmma")
+        assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+        plan = next(p for p in w._plans.values() if p.choice == "wgmma")
+        if chunks == 1:
+            assert len(plan.launches) == math.ceil(M / rows), plan.launches
+            continue
+        assert len(plan.launches) == 1 and plan.launches[0][0].grid[2] == chunks, plan.launches
+        assert plan.launches[0][3] == rows // 8  # the slab variant, its tensor map of all M rows
+        splits = plan.launches[0][0].grid[1]
+        split += splits > 1
+        whole += splits == 1
+    assert split >= 2 and whole >= 1, (split, whole)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_wgmma_float16_scales_take_fewer_warpgroups(dtype):
     """float16 scales where their variant with the uint8 count of warpgroups
     spills (_jit.gemm_wg_warpgroups): k = 4 at 8 n8 tiles on three
