@@ -56,7 +56,7 @@ def module_attributes(values: dict):
             mod_name, attr = name.rsplit(".", 1)
             mod = importlib.import_module(f"kbit_cupy.{mod_name}")
             saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, int(value))
+            setattr(mod, attr, float(value) if "." in value else int(value))
         yield
     finally:
         for mod, attr, value in reversed(saved):

@@ -979,11 +979,22 @@ def _workspace(nfloats: int, stream: int):
 
 
 _STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the load model)
+# The same for the slab-staged wgmma launches (129..256 rows; the producer
+# warpgroup: threads > warps * 32) on the "large" layers, whose stream-K
+# CTAs each store and add partial tiles of 128 KB. Against 0.5, in one
+# process (H100, k = 2 and 4, fp16, 160 / 192 / 256 rows;
+# results/define_ab_h100_slab_slack_old_a7ba857+.txt): whole groups in
+# two waves instead of stream-K on 4096x28672 0.956-1.016x the time (1.016:
+# k = 2 at 192 rows), split K in two on 28672x8192 0.964-0.980x, 8192x57344
+# unchanged (stream-K either way); on 4096x6144 (mid) split K in two lost
+# 2.5-6.7% to stream-K, so not there.
+_SLAB_STREAM_K_SLACK = 8.0
 
 
 @functools.cache  # pure
 def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
-                max_splits: int = 0, split_only: bool = False) -> tuple[int, int, int]:
+                max_splits: int = 0, split_only: bool = False,
+                slack: float | None = None) -> tuple[int, int, int]:
     """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
     for stream-K; split K into at most ``max_splits`` segments where given;
     ``split_only``: never stream-K, for M chunks, whose CTAs must each hold
@@ -995,7 +1006,7 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
     over ``slots`` CTAs (``slots``: CTAs resident at once on ``sms`` SMs);
     most CTAs end two segments and store partial tiles. The choice minimises
     the tiles the busiest SM runs: CTAs per SM x tiles per CTA (plus
-    _STREAM_K_SLACK per stream-K CTA); ties go to more CTAs. Measured on
+    ``slack``, default _STREAM_K_SLACK, per stream-K CTA); ties go to more CTAs. Measured on
     the H100 against waves x tiles per CTA (d9006df): 14336x4096 M=1 +7%,
     4096x6144 +4..10%, 28672x8192 -2..+1%.
     """
@@ -1009,7 +1020,8 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
         if best is None or key < best[0]:
             best = (key, s_used, per)
     (split_load, _), s, per = best
-    stream_load = math.ceil(ctas / sms) * (math.ceil(units / ctas) + _STREAM_K_SLACK)
+    slack = _STREAM_K_SLACK if slack is None else slack
+    stream_load = math.ceil(ctas / sms) * (math.ceil(units / ctas) + slack)
     if stream_load < split_load and not split_only:
         return k_tiles, ctas, 0
     return s * per, groups * s, s
@@ -1286,9 +1298,12 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
     # M chunks: every chunk's groups count (each CTA one segment of one
     # chunk's group, so the kernel's per-chunk ranges are whole segments)
+    slack = (_SLAB_STREAM_K_SLACK if threads > warps * 32
+             and _layer_class(N, K_dim, weight.k, True) == "large" else None)
     while True:
         group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
-                                                _sm_count(), cap, chunks > 1)
+                                                _sm_count(), cap, chunks > 1,
+                                                slack)
         # The split assumes every CTA resident at once. A GPC holds whole
         # clusters only, so fewer clusters of `splits` CTAs may be resident
         # than SMs x CTAs per SM allow (2048x512 at 65..128 rows in two chunks,
