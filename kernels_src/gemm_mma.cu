@@ -927,6 +927,54 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     const int chunk_m0 = kSlab ? (int)blockIdx.z * 8 * M_TILES : 0;
     T* const chunk_C = C + (long long)chunk_m0 * N;
     const int chunk_M = kSlab ? min(M - chunk_m0, 8 * M_TILES) : M;
+#ifndef KBIT_SLAB_SMEM_STORE
+#define KBIT_SLAB_SMEM_STORE 1
+#endif
+    if constexpr (kSlab && KBIT_SLAB_SMEM_STORE) {
+      // Slab staging, the CTA's last segment and a whole one: C through
+      // shared memory. The ring is idle (no slab left to stage, every
+      // consumer's multiplies waited for), so each warp writes its 16 x 8
+      // M_TILES tile there transposed by stmatrix, rows of C [m][the CTA's
+      // 64 WG columns], and the consumers store those rows in 16-byte chunks
+      // along C's rows, instead of 2-byte stores 4 rows a warp instruction
+      // (H100, 4096x28672 at 1024 rows: 4.3 us of a 49 us CTA from the last
+      // multiply to C stored, mma_phases_h100_slab_chunks_53965e4.txt).
+      // Barrier 0 (the setup's __syncthreads') among the consumers only.
+      if (whole && !seg_more && (N & 7) == 0 && (reinterpret_cast<size_t>(chunk_C) & 15) == 0) {
+        constexpr int kRowHalves = 64 * WG + 8;  // + 16 bytes: 8 rows of a matrix on distinct banks
+        static_assert(M_TILES % 2 == 0 && 8 * M_TILES * kRowHalves * 2 <= kStages * kStageChunks * 16,
+                      "C's tile fits the ring");
+        const unsigned base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
+        named_sync(0, 128 * WG);  // every consumer is past its last multiply: the ring is free
+        const int i = lane >> 3;
+        const unsigned row = (unsigned)((lane & 7) + 8 * (i >> 1)) * kRowHalves + warp * 16 + 8 * (i & 1);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; mt += 2) {
+          auto pack = [&](float lo, float hi) {
+            return (Mma<T>::to_bits(hi) << 16) | Mma<T>::to_bits(lo);
+          };
+          stmatrix_x4_trans(base + 2u * (row + (unsigned)(8 * mt * kRowHalves)),
+                            pack(acc[0][mt][0], acc[0][mt][1]), pack(acc[0][mt][2], acc[0][mt][3]),
+                            pack(acc[0][mt + 1][0], acc[0][mt + 1][1]),
+                            pack(acc[0][mt + 1][2], acc[0][mt + 1][3]));
+        }
+        named_sync(0, 128 * WG);
+        const int n0 = seg_grp * warps * 16;  // the CTA's first column of C
+        const int chunks = min(N - n0, 64 * WG) / 8;  // its 16-byte chunks of a row of C
+        for (int q = threadIdx.x; q < chunk_M * 8 * WG; q += 128 * WG) {
+          const int m = q / (8 * WG), c = q % (8 * WG);
+          if (c < chunks) {
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(base + 2u * (unsigned)(m * kRowHalves + 8 * c)));
+            *reinterpret_cast<uint4*>(chunk_C + (long long)m * N + n0 + 8 * c) = v;
+          }
+        }
+        mma_phase(7);
+        return;
+      }
+    }
     // workspace slot of CTA c's segment of this group: its first or its last
     auto slot_part = [&](int c, int r) {
       const int slot = 2 * c + (range_start(c) < g_begin ? 1 : 0);

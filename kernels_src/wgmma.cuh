@@ -180,6 +180,17 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// Four 8x8 b16 matrices of a warp's fragments (register i: matrix i, lane
+// (g, t) holding row g, columns 2t and 2t + 1) into shared memory, each
+// transposed: row j of stored matrix i (its column j) at the 16-byte aligned
+// address lane 8i + j gives.
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, unsigned r0, unsigned r1,
+                                                  unsigned r2, unsigned r3) {
+#if KBIT_HAS_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+#endif
+}
 // Register budget of a warpgroup (setmaxnreg: the kernel's entry cap is moved
 // between warpgroups; counts are multiples of 8).
 template <int REGS> __device__ __forceinline__ void regs_inc() {
