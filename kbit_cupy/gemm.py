@@ -786,9 +786,11 @@ def has_wgmma() -> bool:
 #   H100 k = 4 wgmma / cuBLAS fp16 at 512 / 1024 / 2048 rows 0.85 / 0.89 /
 #   0.89x on 4096x28672, 0.90 / 0.92 / 0.92 on 14336x4096, 0.97 / 0.95 / 0.97
 #   on 8192x57344, 0.98 / 0.95 / 0.97 on 28672x8192, where dequantize +
-#   cuBLAS ran 0.59-0.89x; k = 2 and 3 the same within 4%; at 4096 rows
-#   within 3% of dequantize + cuBLAS either way on both GPUs (H200: it 1-4%
-#   faster on three layers of four), so wgmma to 2048 rows. k = 5 (192-row
+#   cuBLAS ran 0.59-0.89x; k = 2 and 3 the same within 4%. Since C goes
+#   out through shared memory (8de506a; large_m_h{100,200}_slab_chunks_8de506a_*):
+#   at 3072 rows wgmma 0.93-0.97x the time of dequantize + cuBLAS on the
+#   H100, 0.95-1.01x on the H200; at 4096 0.95-1.02x (bf16 1.02 on
+#   4096x28672) and 0.97-1.04x. So wgmma to 4096 rows. k = 5 (192-row
 #   chunks) lost from 1024 rows (0.60-0.69x against 0.73x): its rows stay.
 #   Mid (4096x6144): wgmma 0.77-0.80x at 512 rows (96 group-chunks) against
 #   0.62-0.66x; at 1024 (192 group-chunks: 1.45 waves of one CTA an SM)
@@ -826,7 +828,7 @@ _FAST_TBPS = 4.0  # peak memory bandwidth (TB/s) from which the H200's rows appl
 _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layers
 # wgmma's last rows (k = 2..4; sm_90) on "large" and "mid" layers since its
 # slab chunks (_wg_slab_chunks; see the table's notes)
-_WG_LARGE_MAX = 2048
+_WG_LARGE_MAX = 4096
 _WG_MID_MAX = 512
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS

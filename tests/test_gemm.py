@@ -393,13 +393,13 @@ def _newest_points(pattern: str, kernels: tuple) -> dict[tuple, dict]:
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_large_m_takes_wgmma_slab_chunks_to_2048_rows(gpu):
+def test_large_m_takes_wgmma_slab_chunks_to_4096_rows(gpu):
     # Past 256 rows on the "large" and "mid" layers (sm_90, k = 2..4) the
     # Hopper path runs one launch of 256-row chunks along grid z
     # (gemm._wg_slab_chunks). At every point of the H100 runs
     # (latency_kernel.py, kernel-only, one process, fp16 and bf16) auto's pick
     # of wgmma or dequantize + cuBLAS is within 6% of the faster of the two:
-    # wgmma to 2048 rows on the large layers, on the mid ones at 385..512
+    # wgmma to 4096 rows on the large layers, on the mid ones at 385..512
     # (two chunks; 257..384 run as launches, slower there). k = 5
     # keeps its rows (its 192-row chunks lose from 1024 rows). The H200's run
     # (fp16, k = 2 and 4) is within 8%: 5120x5120 at 448..512 rows takes
@@ -414,7 +414,7 @@ def test_large_m_takes_wgmma_slab_chunks_to_2048_rows(gpu):
             continue
         chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8 if gpu == "h200" else 3.35)
         large = N >= 16384 or K_dim >= 8192
-        wg = M <= 2048 if large else (M <= 256 or 384 < M <= 512)
+        wg = M <= 4096 if large else (M <= 256 or 384 < M <= 512)
         assert chosen == ("wgmma" if wg else "dequant"), (K_dim, N, M, k, chosen)
         worst = max(worst, t[chosen] / min(t.values()))
         checked += 1
@@ -422,8 +422,8 @@ def test_large_m_takes_wgmma_slab_chunks_to_2048_rows(gpu):
     assert worst <= (1.08 if gpu == "h200" else 1.06), worst
     for tbps in (3.35, 4.8):  # k = 5: its rows before the chunks
         assert choose_kernel(1024, 28672, 4096, 5, "float16", wgmma=True, tbps=tbps) == "dequant"
-        assert choose_kernel(2048, 28672, 4096, 4, "bfloat16", wgmma=True, tbps=tbps) == "wgmma"
-        assert choose_kernel(2049, 28672, 4096, 4, "float16", wgmma=True, tbps=tbps) == "dequant"
+        assert choose_kernel(4096, 28672, 4096, 4, "bfloat16", wgmma=True, tbps=tbps) == "wgmma"
+        assert choose_kernel(4097, 28672, 4096, 4, "float16", wgmma=True, tbps=tbps) == "dequant"
 
 
 
@@ -862,14 +862,14 @@ def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
     split K in clusters and M chunks (test_small_layers_take_wgmma_at_17_to_256_rows),
     from 2^22 to 2^23 at 65..128 (test_small_layers_of_2_22_weights_take_wgmma_at_65_to_128_rows);
     on the large and mid layers past 256 rows (k = 2..4) the slab chunks
-    (test_large_m_takes_wgmma_slab_chunks_to_2048_rows)."""
+    (test_large_m_takes_wgmma_slab_chunks_to_4096_rows)."""
     from kbit_cupy.gemm import _layer_class
 
     if (wgmma and 16 < M <= 256 and _layer_class(N, K_dim, k, True) == "small"
             and N * K_dim < 1 << 22):
         return True
     if wgmma and M > 256 and k != 5 and _layer_class(N, K_dim, k, True) in ("large", "mid"):
-        return True  # the slab chunks (test_large_m_takes_wgmma_slab_chunks_to_2048_rows)
+        return True  # the slab chunks (test_large_m_takes_wgmma_slab_chunks_to_4096_rows)
     if (wgmma and 64 < M <= 128 and _layer_class(N, K_dim, k, True) == "small"
             and N * K_dim < 1 << 23):
         return True
