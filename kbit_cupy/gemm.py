@@ -795,11 +795,11 @@ def has_wgmma() -> bool:
 #   Mid (4096x6144): wgmma 0.77-0.80x at 512 rows (96 group-chunks) against
 #   0.62-0.66x; at 1024 (192 group-chunks: 1.45 waves of one CTA an SM)
 #   0.70-0.72x against 0.74-0.78x; at 384 (launches of 256 and 128 rows)
-#   0.54-0.57x against 0.61-0.64x. So to 512 rows, but at 257..384 (no
-#   chunks there) dequantize + cuBLAS: choose_kernel. On 4096x4096 and
-#   5120x5120 at 448 and 512 rows (two chunks) wgmma took 0.80-0.96x the
-#   time of dequantize + cuBLAS (H100, k = 2 and 4,
-#   results/large_m_h100_onewave_experiment_*).
+#   0.54-0.57x against 0.61-0.64x. Since the stores through shared memory
+#   (8de506a), on four mid layers at 448..4096 rows on both GPUs
+#   (large_m_h{100,200}_slab_chunks_mid_ef571d2_float16.md) wgmma wins
+#   where its chunks fit one wave or fill the last one to 0.9, and loses
+#   elsewhere: _mid_slab_chunks_fill (in choose_kernel), to 4096 rows.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -829,7 +829,7 @@ _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layer
 # wgmma's last rows (k = 2..4; sm_90) on "large" and "mid" layers since its
 # slab chunks (_wg_slab_chunks; see the table's notes)
 _WG_LARGE_MAX = 4096
-_WG_MID_MAX = 512
+_WG_MID_MAX = 4096
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
@@ -889,7 +889,7 @@ def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool,
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None,
-                  tbps: float | None = None) -> str:
+                  tbps: float | None = None, sms: int | None = None) -> str:
     """The kernel ``kernel="auto"`` runs for these sizes ("latency", "cluster",
     "mma", "wgmma" or "dequant"), from ``DISPATCH_TABLE``. (A "cluster" pick
     runs mma where the GPU or its driver cannot launch clusters.)
@@ -897,7 +897,8 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
     current device (False without a GPU). ``tbps``: the GPU's peak memory
     bandwidth in TB/s; None asks the current device (0 without a GPU, which
-    takes the rows that need no bandwidth).
+    takes the rows that need no bandwidth). ``sms``: the GPU's SM count;
+    None asks the current device (132 without a GPU).
     """
     if wgmma is None:
         wgmma = _device_has_wgmma()
@@ -913,14 +914,39 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         return "latency"
     if M <= cl_max:
         return "cluster"
-    if (M > 256 and M <= wg_max and M % 256 and M % 256 <= 128 and k != 5
-            and _layer_class(N, K_dim, k, bool(wgmma)) == "mid"):
-        # 257..384 rows on a mid layer: wgmma's launches of 256 rows and the
-        # rest (no slab chunks: _wg_slab_chunks) lost to dequantize + cuBLAS
-        # (4096x6144 at 384 rows, H100: 1.12x its time); 385..512 rows run as
-        # two chunks and won (see the table's notes)
+    if (M > 256 and M <= wg_max and k != 5 and _layer_class(N, K_dim, k, bool(wgmma)) == "mid"
+            and not _mid_slab_chunks_fill(M, N, sms)):
         return "dequant"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
+
+
+# The last wave's fill from which a mid layer's slab chunks beat dequantize +
+# cuBLAS past one wave (see _mid_slab_chunks_fill)
+_MID_CHUNKS_MIN_FILL = 0.9
+
+
+def _mid_slab_chunks_fill(M: int, N: int, sms: int | None = None) -> bool:
+    """Whether wgmma's slab chunks (256 rows, two warpgroups of 64 rows of W
+    a CTA, one CTA an SM) run ``M`` rows of a "mid" layer of N rows faster
+    than dequantize + cuBLAS: where they are taken (_wg_slab_chunks: else
+    launches of 256 rows and the rest, which lost) and their CTAs fit one
+    wave on ``sms`` SMs (default: this GPU's; 132 without one) or fill the
+    last wave to _MID_CHUNKS_MIN_FILL. Against dequantize + cuBLAS
+    (results/large_m_h{100,200}_slab_chunks_mid_ef571d2_float16.md, k = 2
+    and 4, 4096x4096, 4096x6144, 5120x5120, 6144x4096 at 448..4096 rows):
+    one wave 0.75-0.97x its time, fill 0.91-0.97 0.78-1.01x, fill 0.55-0.87
+    1.03-1.30x, launches 1.28-1.81x. (k = 2 with fp16 scales chunks 192 rows:
+    counted as 256 here.)"""
+    rows = 256
+    if not _wg_slab_chunks(M, rows):
+        return False
+    if sms is None:
+        try:
+            sms = _sm_count()
+        except Exception:  # noqa: BLE001 - no CuPy or no GPU: the H100's and the H200's
+            sms = 132
+    ctas = math.ceil(M / rows) * math.ceil(math.ceil(N / ROWS_PER_TILE) / 8)
+    return ctas <= sms or ctas / (math.ceil(ctas / sms) * sms) >= _MID_CHUNKS_MIN_FILL
 
 
 def _is_fp16(dtype) -> bool:
