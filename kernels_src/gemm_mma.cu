@@ -703,6 +703,46 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // (none where the scales come after the multiply: kScaleAfter below)
   constexpr bool kScaleTable =
       sizeof(TScale) == 1 && !kAluScale && !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
+  // Slab staging (below): lane 0 of the producer warp initialises the slab
+  // barriers and issues the CTA's first kStages slabs before the tables are
+  // built (they read the codebook from memory), so that the tensor map's and
+  // the first slabs' round trips overlap the build instead of following it.
+#ifndef KBIT_SLAB_EARLY_ISSUE
+#define KBIT_SLAB_EARLY_ISSUE 1
+#endif
+  __shared__ unsigned long long slab_bar[kSlab ? kStages : 1];
+  // slabs issued here: the first kStages of the CTA's (4 a unit); a function
+  // of the range, not a variable live across the kernel (k = 5 with fp16
+  // scales at 24 n8 tiles spilled 20 bytes with one). Only without M chunks:
+  // in one process against issuing them after the build
+  // (define_ab_h100_slab_early_issue_off_*.txt, k = 4, fp16) the 192-row
+  // launches took 0.971-0.989x the time on four large layers and the
+  // 256-row ones 0.992-1.001x, but the chunked launch on 8192x57344 at 1024
+  // rows 1.022-1.028x (the other layers 0.993-1.002x).
+  auto pre_issued = [&]() {
+    return KBIT_SLAB_EARLY_ISSUE && gridDim.z == 1 ? min(kStages, 4 * (u_end - u_begin)) : 0;
+  };
+  auto issue_slab = [&](int s, int col) {  // slab s: columns col .. col + 63 of this chunk's rows
+    const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
+    mbar_expect_tx(slab_bar + s % kStages, kStageChunks * 16);
+    tma_load_2d(x_base + (s % kStages) * (kStageChunks * 16), a_map, col, (int)blockIdx.z * 8 * M_TILES,
+                slab_bar + s % kStages);
+  };
+  if constexpr (kSlab) {
+    if (threadIdx.x == 128 * WG) {
+      for (int i = 0; i < kStages; ++i) mbar_init(slab_bar + i, 1);
+      fence_proxy_async();  // the initialised barriers, visible to the tensor copies
+      tensormap_acquire(a_map);
+      // the first slabs of the walk below (from K tile kt of group grp)
+      int s = 0;
+      for (int pu = u_begin, pkt = kt, pg = grp; pu < u_end && s < pre_issued();
+           pu = (pg + 1) * group_units, ++pg, pkt = 0) {
+        const int n = min(k_tiles, pkt + (u_end - pu)) - pkt;
+        for (int i = 0; i < 4 * n && s < pre_issued(); ++i, ++s)
+          issue_slab(s, (pkt + i / 4) * 256 + (i % 4) * 64);
+      }
+    }
+  }
   __shared__ unsigned scale_pair[kScaleTable ? 256 : 1];
   if constexpr (kScaleTable) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
@@ -793,14 +833,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   auto bar_full = [&](int c, int slot) { return 1 + c * kStages + slot; };
   auto bar_empty = [&](int slot) { return 1 + WG * kStages + slot; };
   constexpr int kFullCount = 32 + 128, kEmptyCount = 32 + 128 * WG;
-  __shared__ unsigned long long slab_bar[kSlab ? kStages : 1];
   if constexpr (kSlab) {
     if (blockDim.x != 128 * (WG + 1)) __trap();  // no producer: the consumers would wait forever
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < kStages; ++i) mbar_init(slab_bar + i, 1);
-      fence_proxy_async();  // the initialised barriers, visible to the tensor copies
-    }
-    // Publishes the barriers and the tables (block 0 decodes before any wait).
+    // Publishes the barriers (to the producer warp's other lanes) and the
+    // tables (block 0 decodes before any wait).
     __syncthreads();
     if (warp >= warps) {
       // The producer: this CTA's units in the consumers' order, 4 slabs per
@@ -808,8 +844,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       // kLag slabs later (its copy is in flight meanwhile).
       regs_dec<kProducerRegs<WG>>();
       if (warp != warps) return;  // one warp of the producer warpgroup
-      if (lane == 0) tensormap_acquire(a_map);
-      const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
       int s = 0;
       auto publish = [&](int done) {
         if (done < 0) return;
@@ -824,11 +858,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           for (int sl = 0; sl < 4; ++sl, ++s) {
             const int slot = s % kStages;
             if (s >= kStages) named_sync(bar_empty(slot), kEmptyCount);
-            if (lane == 0) {
-              mbar_expect_tx(slab_bar + slot, kStageChunks * 16);
-              tma_load_2d(x_base + slot * (kStageChunks * 16), a_map, (pkt + i) * 256 + sl * 64,
-                          (int)blockIdx.z * 8 * M_TILES, slab_bar + slot);
-            }
+            if (lane == 0 && s >= pre_issued()) issue_slab(s, (pkt + i) * 256 + sl * 64);
             publish(s - kLag);
           }
         }
