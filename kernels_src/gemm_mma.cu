@@ -960,7 +960,21 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #ifndef KBIT_SLAB_SMEM_STORE
 #define KBIT_SLAB_SMEM_STORE 1
 #endif
-    if constexpr (kSlab && KBIT_SLAB_SMEM_STORE) {
+#ifndef KBIT_DENSE_SMEM_STORE
+#define KBIT_DENSE_SMEM_STORE 1
+#endif
+    // (The dense Hopper path at one warpgroup the same way at k = 4, at an
+    // even number of n8 tiles: its stages are idle after its last segment's
+    // multiplies, no next tile being loaded, and all its threads are
+    // consumers. In one process against its 2-byte stores (H100, kernel
+    // auto, fp16, define_ab_h100_dense_smem_store_off_8e2f37c+.txt): k = 4
+    // 0.965-0.98x the time on 2048x768 and 2048x512 at 65..192 rows,
+    // 768x2048 and 4096x4096 0.99-1.01x; k = 2 1.00-1.047x, so not there
+    // (k = 3 and 5 not measured). At two to four warpgroups 8 of the
+    // variants spilled 12-44 bytes with it.)
+    constexpr bool kSmemStore = (kSlab && KBIT_SLAB_SMEM_STORE) ||
+        (K == 4 && WG == 1 && !GROUPED && RPW == 1 && M_TILES % 2 == 0 && KBIT_DENSE_SMEM_STORE);
+    if constexpr (kSmemStore) {
       // Slab staging, the CTA's last segment and a whole one: C through
       // shared memory. The ring is idle (no slab left to stage, every
       // consumer's multiplies waited for), so each warp writes its 16 x 8
