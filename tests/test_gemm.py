@@ -392,6 +392,25 @@ def _newest_points(pattern: str, kernels: tuple) -> dict[tuple, dict]:
     return times
 
 
+def test_slab_chunk_rules():
+    # gemm._wg_slab_chunks: past the slab rows where the last chunk is more
+    # than half full; _mid_slab_chunks_fill: chunks that fit one wave of the
+    # SMs or fill the last one to 90% (two warpgroups of 64 rows of W a CTA)
+    from kbit_cupy.gemm import _mid_slab_chunks_fill, _wg_slab_chunks, choose_kernel
+
+    assert [_wg_slab_chunks(M, 256) for M in (256, 257, 384, 385, 448, 512, 640, 1024)] == \
+        [False, False, False, True, True, True, False, True]
+    assert [_wg_slab_chunks(M, 192) for M in (384, 400, 500, 1024)] == [True, False, True, False]
+    # 4096x6144: 48 groups a chunk
+    assert [_mid_slab_chunks_fill(M, 6144, 132) for M in (384, 512, 1024, 2048, 3072, 4096)] == \
+        [False, True, False, True, False, True]
+    assert _mid_slab_chunks_fill(1024, 6144, 200)  # 192 CTAs in one wave of 200 SMs
+    for M, kernel in ((256, "wgmma"), (384, "dequant"), (512, "wgmma"), (1024, "dequant"), (2048, "wgmma"),
+                      (8192, "dequant")):
+        assert choose_kernel(M, 6144, 4096, 4, "float16", wgmma=True, tbps=3.35, sms=132) == kernel, M
+    assert choose_kernel(1024, 6144, 4096, 5, "float16", wgmma=True, tbps=3.35, sms=132) == "dequant"
+
+
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_large_m_takes_wgmma_slab_chunks_to_4096_rows(gpu):
     # Past 256 rows on the "large" and "mid" layers (sm_90, k = 2..4) the
