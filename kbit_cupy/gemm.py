@@ -945,7 +945,7 @@ def _mid_slab_chunks_fill(M: int, N: int, sms: int | None = None) -> bool:
             sms = _sm_count()
         except Exception:  # noqa: BLE001 - no CuPy or no GPU: the H100's and the H200's
             sms = 132
-    ctas = math.ceil(M / rows) * math.ceil(math.ceil(N / ROWS_PER_TILE) / 8)
+    ctas = math.ceil(M / rows) * math.ceil(_tile_counts(N, K_PER_TILE)[0] / 8)
     return ctas <= sms or ctas / (math.ceil(ctas / sms) * sms) >= _MID_CHUNKS_MIN_FILL
 
 
@@ -1282,12 +1282,12 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     rt_n, kt_n = _tile_counts(N, K_dim)
     if wg:
         scale = weight.absmax.dtype.name
-        slab = chunks > 1 and slab_chunks
-        chunk_tiles = max(_jit.gemm_wg_m_tiles(weight.k, scale)) if slab else _wg_chunk_m_tiles(M, N, K_dim)
+        chunk_tiles = (max(_jit.gemm_wg_m_tiles(weight.k, scale)) if slab_chunks
+                       else _wg_chunk_m_tiles(M, N, K_dim))
         m_tiles = next(t for t in _jit.gemm_wg_m_tiles(weight.k, scale)
                        if 8 * t >= (M if chunks == 1 else 8 * chunk_tiles))
         wgs = _WG_WARPGROUPS or _wg_warpgroups(m_tiles, weight.k, rt_n, kt_n, scale)
-        if chunks > 1 and (m_tiles != chunk_tiles or not (slab or wgs == 1)):
+        if chunks > 1 and (m_tiles != chunk_tiles or not (slab_chunks or wgs == 1)):
             raise AssertionError("M chunks need one warpgroup at the chunk's n8 tiles, or slab staging")
         per_warp, warps = 1, 4 * wgs
         kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
