@@ -50,12 +50,18 @@ def make_base(rev: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--make-base", metavar="REV")
-    p.add_argument("--layers", nargs="+", default=DENSE)
+    p.add_argument("--layers", nargs="*", default=DENSE)
     p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
     p.add_argument("--kernel", default="auto")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--moe", action="store_true", help="also moe_linear at T = 1, 2, 4")
+    p.add_argument("--moe-t", nargs="+", type=int, default=[1, 2, 4],
+                   help="the token counts of --moe")
+    p.add_argument("--moe-mixtral", action="store_true",
+                   help="--moe also on Mixtral's 8 experts of [28672, 4096], top-2")
+    p.add_argument("--route", action="store_true",
+                   help="--moe also times the routing launch (route_pairs) alone, A and B")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--set", action="append", default=[], metavar="NAME=NUMBER",
                    help="also B with kbit_cupy.gemm.NAME = NUMBER during its calls (own plans)")
@@ -152,13 +158,13 @@ def main() -> int:
 
     if args.moe:
         nrng = np.random.default_rng(0)
-        for E, N, K_dim, top_k in MOE:
+        for E, N, K_dim, top_k in MOE + (((8, 28672, 4096, 2),) if args.moe_mixtral else ()):
             W = cp.asarray((nrng.standard_normal((E, N, K_dim)) * 0.02).astype(np.float16))
             ea = ka.quantize_experts(W, k=4).prepare()
             eb = kb.quantize_experts(W, k=4).prepare()
             del W
             cp.cuda.Device().synchronize()
-            for T in (1, 2, 4):
+            for T in args.moe_t:
                 ids = cp.asarray(np.stack([nrng.choice(E, top_k, replace=False) for _ in range(T)])
                                  .astype(np.int32))
                 x = cp.asarray(nrng.standard_normal((T, K_dim)).astype(np.float16))
@@ -171,6 +177,18 @@ def main() -> int:
                 cp.cuda.Device().synchronize()
                 print(f"moe_linear E={E} [{N},{K_dim}] top-{top_k} T={T}: A {t_a:7.2f}  B {t_b:7.2f}  "
                       f"B/A {t_a / t_b:5.3f}  {compare(ra, rb)}", flush=True)
+                if args.route:
+                    from kbit_cupy_base.experts import route_pairs as route_a
+
+                    from kbit_cupy.experts import route_pairs as route_b
+
+                    t_a = graph_us(lambda ids=ids, E=E: route_a(ids, E))
+                    t_b = graph_us(lambda ids=ids, E=E: route_b(ids, E))
+                    with harness._bench_stream():
+                        same = all(bool((a == b).all()) for a, b in zip(route_a(ids, E),
+                                                                        route_b(ids, E)))
+                    print(f"route_pairs E={E} pairs={ids.size}: A {t_a:7.2f}  B {t_b:7.2f}  "
+                          f"B/A {t_a / t_b:5.3f}  {'same' if same else 'DIFFERENT'}", flush=True)
             del ea, eb
             cp.get_default_memory_pool().free_all_blocks()
     return 0

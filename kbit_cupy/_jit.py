@@ -140,6 +140,8 @@ GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
 # and on the dense Hopper path up to this many (gemm_mma.cu
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
 GEMM_DENSE_WG_PRMT_MAX_TILES = 8
+# and on the slab-staged path up to this many (gemm_mma.cu KBIT_SLAB_PRMT_MAX_TILES)
+GEMM_SLAB_PRMT_MAX_TILES = 24
 GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 8  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (k = 5's 128 KB table)
 GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
@@ -158,8 +160,10 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
     warpgroup only for k in GEMM_WG1_TABLES; 0 elsewhere."""
     dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
                     and (wgs != 1 or GEMM_WG1_TABLES >> k & 1))
+    slab = bool(wgs and not grouped and m_tiles >= GEMM_SLAB_MIN_M_TILES)
     if k == 4 and (warps == 8 or (grouped and wgs and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
-                   or (dense_wg and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)):
+                   or (dense_wg and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)
+                   or (slab and m_tiles <= GEMM_SLAB_PRMT_MAX_TILES)):
         return PRMT_TABLE_BYTES
     if k == 2 and GEMM_K2_QUAD_TABLE and not grouped and (
             warps == 8 or (dense_wg and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)):

@@ -113,6 +113,12 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* addr, int v) {
 // activations, 4..8 slabs, at most 15 / (WG + 1) (its named barriers).
 // kbit_cupy/_jit.py mirrors both (the launch's threads and shared memory).
 constexpr int kSlabMinTiles = 24;
+// k = 4 with slab staging up to this many n8 tiles: the PRMT-addressed pair
+// table (64 KB, before the ring) instead of the 32 KB one; 0: none
+// (_jit.GEMM_SLAB_PRMT_MAX_TILES mirrors it). At 32 n8 tiles it spills.
+#ifndef KBIT_SLAB_PRMT_MAX_TILES
+#define KBIT_SLAB_PRMT_MAX_TILES 24
+#endif
 __host__ __device__ constexpr int gemm_slab_ring(int m_tiles, int wg) {
   return (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles) < 15 / (wg + 1)
              ? (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles)
@@ -358,17 +364,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kLag = kStages - 2;
   constexpr int kChunksPerRow = kSlab ? 8 : 32;  // 16-byte chunks of a staged row
   constexpr int kStageChunks = 8 * M_TILES * kChunksPerRow;
-  // WG: the stages start at x_align (below), so the tables follow them there
-  // (gemm.py's 1 KB of alignment slack covers the shift).
-  const int x_align =
-      WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0;
   // k = 4 with 8 warps, and the Hopper path up to 64 rows (kGroupedWgPrmtMaxTiles,
   // kDenseWgPrmtMaxTiles): the PRMT-addressed pair table (64 KB, kPrmtTable
   // below) follows the stages, the grouped launch's tables follow it.
   constexpr bool kDenseWgTables = WG != 1 || ((KBIT_WG1_TABLES >> K) & 1);  // (above)
   constexpr bool kPrmtTable =
       K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
-                 (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables));
+                 (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables) ||
+                 (kSlab && M_TILES <= KBIT_SLAB_PRMT_MAX_TILES));
   constexpr bool kQuadTable =
       K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
       ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables) || (!WG && WARPS == 8));
@@ -384,7 +387,17 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr bool kBigPairTable =
       K == 5 && ((WARPS == 16 && !WG) || (WG && !GROUPED && !kSlab &&
                                           M_TILES <= KBIT_DENSE_WG_K5_TABLE_MAX_TILES && kDenseWgTables));
-  uint4* const prmt_tab = x_stage + x_align + kStages * kStageChunks;  // kPrmtTable: [256 entries][16]
+  // WG: the stages start at x_align (below), so the tables follow them there
+  // (gemm.py's 1 KB of alignment slack covers the shift); slab staging with
+  // the PRMT table: the table first (64 KB, a multiple of the 1 KB alignment).
+  constexpr int kTableFirst = kSlab && kPrmtTable ? 256 * 16 : 0;  // in uint4
+  const int x_align =
+      kTableFirst +
+      (WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0);
+  // kPrmtTable: [256 entries][16]; with slab staging first, at the dynamic
+  // shared memory's start, whose address is a constant (after the stages, a
+  // register more: 112-124 bytes spilled at 32 n8 tiles)
+  uint4* const prmt_tab = kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]

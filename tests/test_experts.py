@@ -605,8 +605,13 @@ def test_gpu_experts_object_moves_between_host_and_device():
 
 @gpu_test
 @pytest.mark.parametrize("T, top_k, E", [(1, 1, 1), (1, 8, 128), (37, 10, 512), (4096, 8, 128),
-                                         (300, 2, 3000)])
+                                         (300, 2, 3000), (512, 2, 8), (1000, 3, 7000),
+                                         (3, 3, 11264), (257, 1, 33), (1025, 8, 2)])
 def test_gpu_routing_is_a_stable_sort_of_the_ids(T, top_k, E):
+    """Every routing geometry: one warp (from 5632 experts, no padded slots),
+    warps with ids past the ones they keep in registers (4096 x 8 pairs: 1024
+    a warp, 32 rounds), warps with fewer pairs than lanes; counts of several
+    (expert, warp) slots per thread (7000 experts) and of part of one."""
     import cupy as cp
 
     ids = np.random.default_rng(T).integers(0, E, (T, top_k)).astype(np.int32)
@@ -615,6 +620,23 @@ def test_gpu_routing_is_a_stable_sort_of_the_ids(T, top_k, E):
     want = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
     assert np.array_equal(cp.asnumpy(offsets), want)
     assert np.array_equal(cp.asnumpy(order), np.argsort(flat, kind="stable"))
+
+
+@gpu_test
+@pytest.mark.parametrize("pairs, E", [(100, 8), (9000, 128), (20000, 64)])
+def test_gpu_routing_skips_ids_outside_the_range(pairs, E):
+    """Ids outside [0, E), among the ones kept in registers and past them: no
+    row, and the rest still a stable sort."""
+    import cupy as cp
+
+    rng = np.random.default_rng(pairs)
+    ids = rng.integers(-3, E + 3, pairs).astype(np.int32)
+    offsets, order = route_pairs(cp.asarray(ids), E)
+    keep = (ids >= 0) & (ids < E)
+    want = np.concatenate([[0], np.cumsum(np.bincount(ids[keep], minlength=E))])
+    assert np.array_equal(cp.asnumpy(offsets), want)
+    sorted_pairs = np.flatnonzero(keep)[np.argsort(ids[keep], kind="stable")]
+    assert np.array_equal(cp.asnumpy(order)[: keep.sum()], sorted_pairs)
 
 
 @gpu_test
