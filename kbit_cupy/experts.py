@@ -663,11 +663,7 @@ def route_pairs(topk_ids, experts: int):
     """
     import cupy as cp
 
-    experts = int(experts)
-    # moe_route.cu's slots: [warps][experts + 1] with several warps, [experts] with one
-    warps = min(_jit.MOE_ROUTE_THREADS // 32, _ROUTE_SHARED_INTS // (experts + 1))
-    if warps <= 1:
-        warps = int(0 < experts <= _ROUTE_SHARED_INTS)
+    warps = min(_jit.MOE_ROUTE_THREADS // 32, _ROUTE_SHARED_INTS // max(int(experts), 1))
     if warps < 1:
         raise ValueError(f"routing on the GPU takes at most {_ROUTE_SHARED_INTS} experts, got "
                          f"{experts}; group the rows yourself and call kbit_grouped_gemm")
@@ -682,7 +678,7 @@ def route_pairs(topk_ids, experts: int):
     route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
     route((1,), (_jit.MOE_ROUTE_THREADS,),
           (ids, np.int32(ids.size), np.int32(experts), np.int32(warps), offsets, order),
-          shared_mem=4 * warps * (experts + (warps > 1)))
+          shared_mem=4 * warps * int(experts))
     return offsets, order
 
 

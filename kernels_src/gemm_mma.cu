@@ -115,9 +115,9 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* addr, int v) {
 constexpr int kSlabMinTiles = 24;
 // k = 4 with slab staging up to this many n8 tiles: the PRMT-addressed pair
 // table (64 KB, before the ring) instead of the 32 KB one; 0: none
-// (_jit.GEMM_SLAB_PRMT_MAX_TILES mirrors it). At 32 n8 tiles it spills.
+// (_jit.GEMM_SLAB_PRMT_MAX_TILES mirrors it).
 #ifndef KBIT_SLAB_PRMT_MAX_TILES
-#define KBIT_SLAB_PRMT_MAX_TILES 24
+#define KBIT_SLAB_PRMT_MAX_TILES 32
 #endif
 __host__ __device__ constexpr int gemm_slab_ring(int m_tiles, int wg) {
   return (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles) < 15 / (wg + 1)
@@ -395,8 +395,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       kTableFirst +
       (WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0);
   // kPrmtTable: [256 entries][16]; with slab staging first, at the dynamic
-  // shared memory's start, whose address is a constant (after the stages, a
-  // register more: 112-124 bytes spilled at 32 n8 tiles)
+  // shared memory's start, whose address is a constant (no register for it)
   uint4* const prmt_tab = kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
@@ -795,6 +794,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const int i = i0 + lane, v = i >> 4;
       const unsigned lo = __shfl_sync(kFullMask, cb_pair, v & 15), hi = __shfl_sync(kFullMask, cb_pair, v >> 4);
       prmt_tab[i] = make_uint4(lo, hi, lo, hi);
+    }
+  } else if constexpr (kPrmtTable && kSlab) {
+    // slab staging: from the codebook in memory (built by shuffles of `cb`,
+    // the 32-tile variants spilled 112-124 bytes)
+    for (int i = threadIdx.x; i < 256 * 8; i += blockDim.x) {
+      const int b = i >> 3;
+      const unsigned v = Mma<T>::to_bits(codebook[b & 15]) | (Mma<T>::to_bits(codebook[b >> 4]) << 16);
+      prmt_tab[b * 16 + (i & 7)] = make_uint4(v, v, v, v);
     }
   } else if constexpr (kPrmtTable) {
     for (int i0 = warp * 32; i0 < 256 * 8; i0 += blockDim.x) {
