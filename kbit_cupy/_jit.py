@@ -141,7 +141,7 @@ GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
 # KBIT_DENSE_WG_PRMT_MAX_TILES; 0: none)
 GEMM_DENSE_WG_PRMT_MAX_TILES = 8
 # and on the slab-staged path up to this many (gemm_mma.cu KBIT_SLAB_PRMT_MAX_TILES)
-GEMM_SLAB_PRMT_MAX_TILES = 32
+GEMM_SLAB_PRMT_MAX_TILES = 0
 GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 8  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (k = 5's 128 KB table)
 GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes

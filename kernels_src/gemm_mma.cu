@@ -115,9 +115,15 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* addr, int v) {
 constexpr int kSlabMinTiles = 24;
 // k = 4 with slab staging up to this many n8 tiles: the PRMT-addressed pair
 // table (64 KB, before the ring) instead of the 32 KB one; 0: none
-// (_jit.GEMM_SLAB_PRMT_MAX_TILES mirrors it).
+// (_jit.GEMM_SLAB_PRMT_MAX_TILES mirrors it: an A/B sets both, e.g.
+// define_ab.py --define KBIT_SLAB_PRMT_MAX_TILES=32,_jit.GEMM_SLAB_PRMT_MAX_TILES=32).
+// Off: H100, k = 4, fp16, the same bits, time with the table against without
+// (results/define_ab_h100_slab_prmt32_off_26fd8a6_*.txt, two runs): 0.990-0.993 on
+// 4096x28672 and 14336x4096 at 1024 and 2048 rows (bf16 0.984-0.993), 0.986-0.998
+// at 192 and 256 rows; 28672x8192 at 2048 rows 1.031 and 1.055, 8192x57344 at
+// 1024 rows 1.015 in one run, 0.989 in the other.
 #ifndef KBIT_SLAB_PRMT_MAX_TILES
-#define KBIT_SLAB_PRMT_MAX_TILES 32
+#define KBIT_SLAB_PRMT_MAX_TILES 0
 #endif
 __host__ __device__ constexpr int gemm_slab_ring(int m_tiles, int wg) {
   return (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles) < 15 / (wg + 1)

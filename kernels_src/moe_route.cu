@@ -15,7 +15,8 @@
 // warps' counts become each warp's first slot (warps in order), and a
 // block-wide scan over experts gives the offsets. 3) Each warp walks its
 // slice 32 pairs at a time in order; lanes with the same expert (match_any)
-// take consecutive slots by lane order.
+// take consecutive slots by lane order, the first of them moving the
+// expert's next slot on by the group's size.
 #include "common.cuh"
 
 namespace kbit {
@@ -77,11 +78,12 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
       const bool ok = valid(e);
       const unsigned peers = __match_any_sync(kFullMask, ok ? e : -1);
       const int rank = __popc(peers & ((1u << lane) - 1u));
-      int* next = slot + warp * experts + (ok ? e : 0);
-      if (ok) order[*next + rank] = i;
-      __syncwarp();
-      if (ok && rank == 0) *next += __popc(peers);  // the group's first lane moves it on
-      __syncwarp();
+      // the group's first lane takes its rows (a shared atomic: no warp
+      // barrier after the stores) and hands the first to the others
+      int first = 0;
+      if (ok && rank == 0) first = atomicAdd(slot + warp * experts + e, __popc(peers));
+      first = __shfl_sync(kFullMask, first, __ffs(peers) - 1);
+      if (ok) order[first + rank] = i;
     }
   }
 }
