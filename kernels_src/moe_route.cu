@@ -15,23 +15,46 @@
 // warps' counts become each warp's first slot (warps in order), and a
 // block-wide scan over experts gives the offsets. 3) Each warp walks its
 // slice 32 pairs at a time in order; lanes with the same expert (match_any)
-// take consecutive slots by lane order, the first of them moving the
-// expert's next slot on by the group's size.
+// take consecutive slots by lane order; where the shared memory holds it,
+// the order is staged there and written out at the end.
 #include "common.cuh"
 
 namespace kbit {
+
+// Phase stamps for benchmarks/route_phases.py (-DKBIT_ROUTE_PHASES): the
+// global timer, the latest over the warps that stamp (the array zeroed
+// before each launch). Without the define, nothing.
+#ifdef KBIT_ROUTE_PHASES
+}  // namespace kbit
+extern "C" __device__ unsigned long long kbit_route_stamps[8];  // (unmangled: get_global)
+namespace kbit {
+__device__ __forceinline__ void route_stamp(int i) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  atomicMax(kbit_route_stamps + i, t);
+}
+#define KBIT_ROUTE_STAMP(i, who) \
+  if (who) route_stamp(i)
+#else
+#define KBIT_ROUTE_STAMP(i, who)
+#endif
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict__ ids, int pairs,
                                                           int experts, int warps_used,
                                                           int* __restrict__ offsets,
-                                                          int* __restrict__ order) {
-  extern __shared__ int slot[];  // [warps_used][experts]: counts, then next free slot
+                                                          int* __restrict__ order, int staged) {
+  // [warps_used][experts]: counts, then next free slot; then, where `staged`,
+  // the order itself ([pairs]), written to memory at the end in whole lines
+  extern __shared__ int slot[];
+  int* const order_stage = slot + warps_used * experts;
   __shared__ int warp_sums[THREADS / 32];
+  __shared__ int valid_rows;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int per_warp = (pairs + warps_used - 1) / warps_used;
   const int begin = min(pairs, warp * per_warp), end = min(pairs, begin + per_warp);
   auto valid = [&](int e) { return e >= 0 && e < experts; };
+  KBIT_ROUTE_STAMP(0, threadIdx.x == 0);
 
   for (int i = threadIdx.x; i < warps_used * experts; i += THREADS) slot[i] = 0;
   __syncthreads();
@@ -45,6 +68,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
       if (valid(e)) atomicAdd(slot + warp * experts + e, 1);
     }
   }
+  KBIT_ROUTE_STAMP(1, lane == 0);
   __syncthreads();
 
   // 2) thread t owns experts [t * per, (t + 1) * per): a block-wide scan of
@@ -55,7 +79,9 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   int mine = 0;
   for (int e = e0; e < e1; ++e)
     for (int w = 0; w < warps_used; ++w) mine += slot[w * experts + e];
+  KBIT_ROUTE_STAMP(4, lane == 0);
   int row = cta_exclusive_scan(mine, warp_sums);
+  KBIT_ROUTE_STAMP(5, lane == 0);
   for (int e = e0; e < e1; ++e) {
     offsets[e] = row;
     for (int w = 0; w < warps_used; ++w) {
@@ -64,7 +90,8 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
       row += count;
     }
   }
-  if (threadIdx.x == THREADS - 1) offsets[experts] = row;  // every valid pair
+  if (threadIdx.x == THREADS - 1) offsets[experts] = valid_rows = row;  // every valid pair
+  KBIT_ROUTE_STAMP(2, lane == 0);
   __syncthreads();
 
   // 3) rows in pair order: lanes with one expert take consecutive rows.
@@ -78,14 +105,26 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
       const bool ok = valid(e);
       const unsigned peers = __match_any_sync(kFullMask, ok ? e : -1);
       const int rank = __popc(peers & ((1u << lane) - 1u));
-      // the group's first lane takes its rows (a shared atomic: no warp
-      // barrier after the stores) and hands the first to the others
-      int first = 0;
-      if (ok && rank == 0) first = atomicAdd(slot + warp * experts + e, __popc(peers));
-      first = __shfl_sync(kFullMask, first, __ffs(peers) - 1);
-      if (ok) order[first + rank] = i;
+      int* next = slot + warp * experts + (ok ? e : 0);
+      if (ok) {
+        if (staged) order_stage[*next + rank] = i;
+        else order[*next + rank] = i;
+      }
+      __syncwarp();
+      if (ok && rank == 0) *next += __popc(peers);  // the group's first lane moves it on
+      __syncwarp();
     }
   }
+  KBIT_ROUTE_STAMP(3, lane == 0);
+  // Staged: the order to memory in whole lines. Scattered 4-byte stores cost
+  // about a DRAM round trip per 32 pairs a warp after the TARGETS.md
+  // overwrite (H100, benchmarks/route_phases.py: 4096 pairs over 128
+  // experts placed in 5.1 us of 7.8).
+  if (staged) {
+    __syncthreads();
+    for (int r = threadIdx.x; r < valid_rows; r += THREADS) order[r] = order_stage[r];
+  }
+  KBIT_ROUTE_STAMP(6, lane == 0);
 }
 
 }  // namespace kbit

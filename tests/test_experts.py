@@ -606,12 +606,13 @@ def test_gpu_experts_object_moves_between_host_and_device():
 @gpu_test
 @pytest.mark.parametrize("T, top_k, E", [(1, 1, 1), (1, 8, 128), (37, 10, 512), (4096, 8, 128),
                                          (300, 2, 3000), (512, 2, 8), (1000, 3, 7000),
-                                         (3, 3, 11264), (257, 1, 33), (1025, 8, 2)])
+                                         (3, 3, 11264), (257, 1, 33), (1025, 8, 2),
+                                         (8192, 8, 128)])
 def test_gpu_routing_is_a_stable_sort_of_the_ids(T, top_k, E):
-    """Every routing geometry: one warp (from 5632 experts, no padded slots),
-    warps with ids past the ones they keep in registers (4096 x 8 pairs: 1024
-    a warp, 32 rounds), warps with fewer pairs than lanes; counts of several
-    (expert, warp) slots per thread (7000 experts) and of part of one."""
+    """Every routing geometry: one warp (from 5632 experts), warps with fewer
+    pairs than lanes, many rounds a warp; the order staged in shared memory
+    (past 48 KB at 4096 x 8 pairs) and, at 8192 x 8 pairs (more than the
+    shared memory holds), stored straight to memory."""
     import cupy as cp
 
     ids = np.random.default_rng(T).integers(0, E, (T, top_k)).astype(np.int32)
