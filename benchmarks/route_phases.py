@@ -25,7 +25,8 @@ def main() -> int:
                    metavar="EXPERTS:PAIRS")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--unstaged", dest="staged", action="store_false",
-                   help="the order stored straight to memory, not staged in shared memory")
+                   help="the ids and the order straight from and to memory, not staged in "
+                        "shared memory")
     args = p.parse_args()
 
     import cupy as cp
@@ -53,7 +54,7 @@ def main() -> int:
         offsets = cp.empty(E + 1, cp.int32)
         order = cp.empty(pairs, cp.int32)
         staged = args.staged and launch_ctas_per_sm(kern, _jit.MOE_ROUTE_THREADS,
-                                                    4 * (warps * E + pairs)) > 0
+                                                    4 * (warps * E + 2 * pairs)) > 0
         rows = []
         for _ in range(args.reps):
             flush.fill(1)
@@ -61,7 +62,7 @@ def main() -> int:
             kern((1,), (_jit.MOE_ROUTE_THREADS,),
                  (ids, np.int32(pairs), np.int32(E), np.int32(warps), offsets, order,
                   np.int32(staged)),
-                 shared_mem=4 * warps * E + (4 * pairs if staged else 0))
+                 shared_mem=4 * warps * E + (8 * pairs if staged else 0))
             cp.cuda.Device().synchronize()
             s = cp.asnumpy(stamps).astype(np.int64)
             rows.append([(s[i] - s[0]) / 1e3 for i in (1, 4, 5, 2, 3, 6)])

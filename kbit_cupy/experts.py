@@ -676,14 +676,14 @@ def route_pairs(topk_ids, experts: int):
     offsets = offsets.view(cp.int32)[:int(experts) + 1]
     order = _launch.stream_buffer("moe_order", 4 * ids.size, stream).view(cp.int32)[:ids.size]
     route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
-    # the order staged in shared memory where it fits (opting in past 48 KB)
+    # the ids and the order staged in shared memory where they fit (opting in past 48 KB)
     shared = 4 * warps * int(experts)
     with _launch.setup_scope():  # (an attribute set and an occupancy query, once per size)
-        staged = launch_ctas_per_sm(route, _jit.MOE_ROUTE_THREADS, shared + 4 * ids.size) > 0
+        staged = launch_ctas_per_sm(route, _jit.MOE_ROUTE_THREADS, shared + 8 * ids.size) > 0
     route((1,), (_jit.MOE_ROUTE_THREADS,),
           (ids, np.int32(ids.size), np.int32(experts), np.int32(warps), offsets, order,
            np.int32(staged)),
-          shared_mem=shared + (4 * ids.size if staged else 0))
+          shared_mem=shared + (8 * ids.size if staged else 0))
     return offsets, order
 
 

@@ -15,8 +15,9 @@
 // warps' counts become each warp's first slot (warps in order), and a
 // block-wide scan over experts gives the offsets. 3) Each warp walks its
 // slice 32 pairs at a time in order; lanes with the same expert (match_any)
-// take consecutive slots by lane order; where the shared memory holds it,
-// the order is staged there and written out at the end.
+// take consecutive slots by lane order. Where the shared memory holds them,
+// step 1 keeps the ids there for step 3, and the order is staged there and
+// written out at the end.
 #include "common.cuh"
 
 namespace kbit {
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   // the order itself ([pairs]), written to memory at the end in whole lines
   extern __shared__ int slot[];
   int* const order_stage = slot + warps_used * experts;
+  int* const ids_stage = order_stage + pairs;  // (staged: the ids, [pairs])
   __shared__ int warp_sums[THREADS / 32];
   __shared__ int valid_rows;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -66,6 +68,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
     for (int i = begin + lane; i < end; i += 32) {
       const int e = __ldg(ids + i);
       if (valid(e)) atomicAdd(slot + warp * experts + e, 1);
+      if (staged) ids_stage[i] = e;
     }
   }
   KBIT_ROUTE_STAMP(1, lane == 0);
@@ -96,12 +99,14 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
 
   // 3) rows in pair order: lanes with one expert take consecutive rows.
   if (warp < warps_used) {
-    // the next 32 ids loaded while these are placed (one load in flight ahead)
-    int e_next = begin + lane < end ? __ldg(ids + begin + lane) : -1;
+    // the next 32 ids loaded while these are placed (one load in flight ahead;
+    // staged: from shared memory, each load from memory took a round trip)
+    auto id_at = [&](int i) { return i < end ? (staged ? ids_stage[i] : __ldg(ids + i)) : -1; };
+    int e_next = id_at(begin + lane);
     for (int i0 = begin; i0 < end; i0 += 32) {
       const int i = i0 + lane;
       const int e = e_next;
-      e_next = i + 32 < end ? __ldg(ids + i + 32) : -1;
+      e_next = id_at(i + 32);
       const bool ok = valid(e);
       const unsigned peers = __match_any_sync(kFullMask, ok ? e : -1);
       const int rank = __popc(peers & ((1u << lane) - 1u));
@@ -116,10 +121,10 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
     }
   }
   KBIT_ROUTE_STAMP(3, lane == 0);
-  // Staged: the order to memory in whole lines. Scattered 4-byte stores cost
-  // about a DRAM round trip per 32 pairs a warp after the TARGETS.md
-  // overwrite (H100, benchmarks/route_phases.py: 4096 pairs over 128
-  // experts placed in 5.1 us of 7.8).
+  // Staged: the order to memory in whole lines. (Placing 4096 pairs over
+  // 128 experts took 5.1 us of 7.8 with the ids loaded from and the order
+  // stored to memory, H100, benchmarks/route_phases.py, after the TARGETS.md
+  // overwrite; the same with either staged alone.)
   if (staged) {
     __syncthreads();
     for (int r = threadIdx.x; r < valid_rows; r += THREADS) order[r] = order_stage[r];

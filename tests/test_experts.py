@@ -607,12 +607,12 @@ def test_gpu_experts_object_moves_between_host_and_device():
 @pytest.mark.parametrize("T, top_k, E", [(1, 1, 1), (1, 8, 128), (37, 10, 512), (4096, 8, 128),
                                          (300, 2, 3000), (512, 2, 8), (1000, 3, 7000),
                                          (3, 3, 11264), (257, 1, 33), (1025, 8, 2),
-                                         (8192, 8, 128)])
+                                         (1024, 8, 128), (8192, 8, 128)])
 def test_gpu_routing_is_a_stable_sort_of_the_ids(T, top_k, E):
     """Every routing geometry: one warp (from 5632 experts), warps with fewer
-    pairs than lanes, many rounds a warp; the order staged in shared memory
-    (past 48 KB at 4096 x 8 pairs) and, at 8192 x 8 pairs (more than the
-    shared memory holds), stored straight to memory."""
+    pairs than lanes, many rounds a warp; the ids and the order staged in
+    shared memory (past 48 KB at 1024 x 8 pairs) and, at 4096 x 8 and 8192 x 8
+    pairs (more than the shared memory holds), read and stored in memory."""
     import cupy as cp
 
     ids = np.random.default_rng(T).integers(0, E, (T, top_k)).astype(np.int32)
