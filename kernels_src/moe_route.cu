@@ -40,9 +40,6 @@ __device__ __forceinline__ void route_stamp(int i) {
 #define KBIT_ROUTE_STAMP(i, who)
 #endif
 
-// Rounds of 32 pairs a warp places at a time (step 3).
-constexpr int kRouteRounds = 4;
-
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict__ ids, int pairs,
                                                           int experts, int warps_used,
@@ -103,51 +100,35 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   // 3) rows in pair order: lanes with one expert take consecutive rows.
   if (warp < warps_used) {
     const int id_bits = experts > 1 ? 32 - __clz(experts - 1) : 0;
-    // kRouteRounds rounds of 32 pairs at a time: their ids loaded together
-    // (staged: from shared memory), then the lanes with each lane's expert
-    // found for all of them (independent ballots), then the rows taken round
-    // by round (the only step that depends on the previous round).
-    for (int c0 = begin; c0 < end; c0 += 32 * kRouteRounds) {
-      int e[kRouteRounds];
-      unsigned peers[kRouteRounds];
-#pragma unroll
-      for (int r = 0; r < kRouteRounds; ++r) {
-        const int i = c0 + 32 * r + lane;
-        e[r] = i < end ? (staged ? ids_stage[i] : __ldg(ids + i)) : -1;
-        if (!valid(e[r])) e[r] = -1;
-      }
+    // the next 32 ids loaded while these are placed (one load in flight ahead;
+    // staged: from shared memory, each load from memory took a round trip)
+    auto id_at = [&](int i) { return i < end ? (staged ? ids_stage[i] : __ldg(ids + i)) : -1; };
+    int e_next = id_at(begin + lane);
+    for (int i0 = begin; i0 < end; i0 += 32) {
+      const int i = i0 + lane;
+      const int e = e_next;
+      e_next = id_at(i + 32);
+      const bool ok = valid(e);
       // the lanes with this lane's expert: one ballot per bit of the id (and
       // one of validity) instead of __match_any_sync, which took about 1.1 us
       // a round over 128 experts (H100, route_phases.py: 4096 pairs placed in
       // 4.4 us of 7.8; its cost grows with the distinct values in the warp)
-#pragma unroll
-      for (int r = 0; r < kRouteRounds; ++r) {
-        peers[r] = __ballot_sync(kFullMask, e[r] >= 0);
-        if (e[r] < 0) peers[r] = ~peers[r];
-      }
+      unsigned peers = __ballot_sync(kFullMask, ok);
+      if (!ok) peers = ~peers;
       for (int b = 0; b < id_bits; ++b) {
-#pragma unroll
-        for (int r = 0; r < kRouteRounds; ++r) {
-          const bool bit = (e[r] >> b) & 1;
-          const unsigned votes = __ballot_sync(kFullMask, bit);
-          peers[r] &= bit ? votes : ~votes;
-        }
+        const bool bit = (e >> b) & 1;
+        const unsigned votes = __ballot_sync(kFullMask, bit);
+        peers &= bit ? votes : ~votes;
       }
-#pragma unroll
-      for (int r = 0; r < kRouteRounds; ++r) {
-        if (c0 + 32 * r >= end) break;  // (warp-uniform)
-        const bool ok = e[r] >= 0;
-        const int rank = __popc(peers[r] & ((1u << lane) - 1u));
-        int* next = slot + warp * experts + (ok ? e[r] : 0);
-        if (ok) {
-          const int i = c0 + 32 * r + lane;
-          if (staged) order_stage[*next + rank] = i;
-          else order[*next + rank] = i;
-        }
-        __syncwarp();
-        if (ok && rank == 0) *next += __popc(peers[r]);  // the group's first lane moves it on
-        __syncwarp();
+      const int rank = __popc(peers & ((1u << lane) - 1u));
+      int* next = slot + warp * experts + (ok ? e : 0);
+      if (ok) {
+        if (staged) order_stage[*next + rank] = i;
+        else order[*next + rank] = i;
       }
+      __syncwarp();
+      if (ok && rank == 0) *next += __popc(peers);  // the group's first lane moves it on
+      __syncwarp();
     }
   }
   KBIT_ROUTE_STAMP(3, lane == 0);
