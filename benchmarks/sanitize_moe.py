@@ -18,6 +18,7 @@ import numpy as np
 
 import kbit_cupy as kc
 from kbit_cupy._arrays import BFLOAT16
+from kbit_cupy.experts import route_pairs
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="fewer cases (racecheck is slow)")
@@ -73,5 +74,14 @@ for k in args.k:
             x = cp.asarray(rng.standard_normal((300, 128)).astype(np.float32)).astype(dtype)
             kc.kbit_grouped_gemm(x, ex, one)
             count += 1
+# the routing launch alone: the ids and the order staged in shared memory (past
+# 48 KB at 8192 pairs) or, past what it holds, read and stored in memory; one warp
+# (7000 experts); ids outside [0, E) among them
+for E, pairs in ((128, 8192), (128, 70000 if not args.quick else 9000), (7000, 500), (2, 33)):
+    ids = cp.asarray(rng.integers(-2, E + 2, pairs).astype(np.int32))
+    offsets, order = route_pairs(ids, E)
+    keep = cp.asnumpy((ids >= 0) & (ids < E))
+    assert int(offsets[-1]) == int(keep.sum())
+    count += 1
 cp.cuda.Device().synchronize()
 print(f"ran {count} cases")
