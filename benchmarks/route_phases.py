@@ -24,6 +24,9 @@ def main() -> int:
                                                   "512:5120", "8:1024"],
                    metavar="EXPERTS:PAIRS")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warm", action="store_true",
+                   help="no overwrite before each launch (the kernel's code, parameters and ids "
+                        "stay in L2 from the launch before)")
     p.add_argument("--unstaged", dest="staged", action="store_false",
                    help="the ids and the order straight from and to memory, not staged in "
                         "shared memory")
@@ -43,7 +46,8 @@ def main() -> int:
     stamps = cp.ndarray((8,), cp.uint64, module.get_global("kbit_route_stamps"))
     flush = cp.empty(256 << 20, cp.uint8)
     print(f"{harness.gpu_info()['gpu']}: moe_route.cu phases, us since entry (median of "
-          f"{args.reps}, after a 256 MB overwrite)")
+          f"{args.reps}, {'warm' if args.warm else 'after a 256 MB overwrite'}, "
+          f"{'staged' if args.staged else 'unstaged'})")
     print(f"{'experts':>7} {'pairs':>6} {'counted':>8} {'summed':>7} {'scanned':>8} {'slots':>6} "
           f"{'placed':>7} {'written':>7}")
     rng = np.random.default_rng(0)
@@ -57,7 +61,8 @@ def main() -> int:
                                                     4 * (warps * E + 2 * pairs)) > 0
         rows = []
         for _ in range(args.reps):
-            flush.fill(1)
+            if not args.warm:
+                flush.fill(1)
             stamps.fill(0)
             kern((1,), (_jit.MOE_ROUTE_THREADS,),
                  (ids, np.int32(pairs), np.int32(E), np.int32(warps), offsets, order,
