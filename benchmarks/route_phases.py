@@ -54,11 +54,14 @@ def main() -> int:
     for case in args.cases:
         E, pairs = (int(v) for v in case.split(":"))
         ids = cp.asarray(rng.integers(0, E, pairs).astype(np.int32))
-        warps = min(_jit.MOE_ROUTE_THREADS // 32, experts._ROUTE_SHARED_INTS // E)
+        stride = E + 1 + (E & 1)  # as experts.route_pairs
+        warps = min(_jit.MOE_ROUTE_THREADS // 32, experts._ROUTE_SHARED_INTS // stride)
+        if warps <= 1:
+            warps, stride = 1, E
         offsets = cp.empty(E + 1, cp.int32)
         order = cp.empty(pairs, cp.int32)
         staged = args.staged and launch_ctas_per_sm(kern, _jit.MOE_ROUTE_THREADS,
-                                                    4 * (warps * E + 2 * pairs)) > 0
+                                                    4 * (warps * stride + 2 * pairs)) > 0
         rows = []
         for _ in range(args.reps):
             if not args.warm:
@@ -67,7 +70,7 @@ def main() -> int:
             kern((1,), (_jit.MOE_ROUTE_THREADS,),
                  (ids, np.int32(pairs), np.int32(E), np.int32(warps), offsets, order,
                   np.int32(staged)),
-                 shared_mem=4 * warps * E + (8 * pairs if staged else 0))
+                 shared_mem=4 * warps * stride + (8 * pairs if staged else 0))
             cp.cuda.Device().synchronize()
             s = cp.asnumpy(stamps).astype(np.int64)
             rows.append([(s[i] - s[0]) / 1e3 for i in (1, 4, 5, 2, 3, 6)])

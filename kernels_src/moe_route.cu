@@ -40,9 +40,6 @@ __device__ __forceinline__ void route_stamp(int i) {
 #define KBIT_ROUTE_STAMP(i, who)
 #endif
 
-// Bits of an expert id at most (experts.py routes up to 11264 experts).
-constexpr int kRouteIdBits = 14;
-
 // Exclusive prefix sum over the CTA's threads (in thread order), the warps'
 // totals scanned by one warp's shuffles (two barriers).
 template <int THREADS>
@@ -76,10 +73,14 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
                                                           int experts, int warps_used,
                                                           int* __restrict__ offsets,
                                                           int* __restrict__ order, int staged) {
-  // [warps_used][experts]: counts, then next free slot; then, where `staged`,
-  // the order itself ([pairs]), written to memory at the end in whole lines
+  // [warps_used][stride]: counts, then next free slot; then, where `staged`,
+  // the order itself ([pairs]), written to memory at the end in whole lines.
+  // With several warps the stride is odd (experts + 1 or + 2): step 2's
+  // threads read one expert's counts of consecutive warps, and a stride of
+  // a multiple of 32 put them all in one bank.
   extern __shared__ int slot[];
-  int* const order_stage = slot + warps_used * experts;
+  const int stride = warps_used > 1 ? experts + 1 + (experts & 1) : experts;
+  int* const order_stage = slot + warps_used * stride;
   int* const ids_stage = order_stage + pairs;  // (staged: the ids, [pairs])
   __shared__ int warp_sums[THREADS / 32];
   __shared__ int valid_rows;
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   auto valid = [&](int e) { return e >= 0 && e < experts; };
   KBIT_ROUTE_STAMP(0, threadIdx.x == 0);
 
-  for (int i = threadIdx.x; i < warps_used * experts; i += THREADS) slot[i] = 0;
+  for (int i = threadIdx.x; i < warps_used * stride; i += THREADS) slot[i] = 0;
   __syncthreads();
   if (warp < warps_used) {  // 1) counts per (warp, expert)
     // unrolled: several loads of ids in flight, not one round trip each
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
 #pragma unroll 4
     for (int i = begin + lane; i < end; i += 32) {
       const int e = __ldg(ids + i);
-      if (valid(e)) atomicAdd(slot + warp * experts + e, 1);
+      if (valid(e)) atomicAdd(slot + warp * stride + e, 1);
       if (staged) ids_stage[i] = e;
     }
   }
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   const int e0 = j0 / warps_used, w0 = j0 - e0 * warps_used;
   int mine = 0;
   for (int j = j0, e = e0, w = w0; j < j1; ++j) {
-    mine += slot[w * experts + e];
+    mine += slot[w * stride + e];
     if (++w == warps_used) w = 0, ++e;
   }
   KBIT_ROUTE_STAMP(4, lane == 0);
@@ -126,8 +127,8 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   KBIT_ROUTE_STAMP(5, lane == 0);
   for (int j = j0, e = e0, w = w0; j < j1; ++j) {
     if (w == 0) offsets[e] = row;
-    const int count = slot[w * experts + e];
-    slot[w * experts + e] = row;
+    const int count = slot[w * stride + e];
+    slot[w * stride + e] = row;
     row += count;
     if (++w == warps_used) w = 0, ++e;
   }
@@ -153,16 +154,13 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
       // 4.4 us of 7.8; its cost grows with the distinct values in the warp)
       unsigned peers = __ballot_sync(kFullMask, ok);
       if (!ok) peers = ~peers;
-#pragma unroll
-      for (int b = 0; b < kRouteIdBits; ++b) {  // (unrolled: the ballots overlap)
-        if (b < id_bits) {
-          const bool bit = (e >> b) & 1;
-          const unsigned votes = __ballot_sync(kFullMask, bit);
-          peers &= bit ? votes : ~votes;
-        }
+      for (int b = 0; b < id_bits; ++b) {
+        const bool bit = (e >> b) & 1;
+        const unsigned votes = __ballot_sync(kFullMask, bit);
+        peers &= bit ? votes : ~votes;
       }
       const int rank = __popc(peers & ((1u << lane) - 1u));
-      int* next = slot + warp * experts + (ok ? e : 0);
+      int* next = slot + warp * stride + (ok ? e : 0);
       if (ok) {
         if (staged) order_stage[*next + rank] = i;
         else order[*next + rank] = i;
