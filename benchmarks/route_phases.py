@@ -54,10 +54,8 @@ def main() -> int:
     for case in args.cases:
         E, pairs = (int(v) for v in case.split(":"))
         ids = cp.asarray(rng.integers(0, E, pairs).astype(np.int32))
-        stride = E + 1 + (E & 1)  # as experts.route_pairs
-        warps = min(_jit.MOE_ROUTE_THREADS // 32, experts._ROUTE_SHARED_INTS // stride)
-        if warps <= 1:
-            warps, stride = 1, E
+        warps = min(_jit.MOE_ROUTE_THREADS // 32, experts._ROUTE_SHARED_INTS // E)
+        stride = E
         offsets = cp.empty(E + 1, cp.int32)
         order = cp.empty(pairs, cp.int32)
         staged = args.staged and launch_ctas_per_sm(kern, _jit.MOE_ROUTE_THREADS,

@@ -663,12 +663,7 @@ def route_pairs(topk_ids, experts: int):
     """
     import cupy as cp
 
-    experts = int(experts)
-    # moe_route.cu's slots: [warps][stride], the stride odd with several warps
-    stride = experts + 1 + (experts & 1)
-    warps = min(_jit.MOE_ROUTE_THREADS // 32, _ROUTE_SHARED_INTS // stride)
-    if warps <= 1:  # one warp: no padding
-        warps, stride = int(0 < experts <= _ROUTE_SHARED_INTS), experts
+    warps = min(_jit.MOE_ROUTE_THREADS // 32, _ROUTE_SHARED_INTS // max(int(experts), 1))
     if warps < 1:
         raise ValueError(f"routing on the GPU takes at most {_ROUTE_SHARED_INTS} experts, got "
                          f"{experts}; group the rows yourself and call kbit_grouped_gemm")
@@ -682,7 +677,7 @@ def route_pairs(topk_ids, experts: int):
     order = _launch.stream_buffer("moe_order", 4 * ids.size, stream).view(cp.int32)[:ids.size]
     route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
     # the ids and the order staged in shared memory where they fit (opting in past 48 KB)
-    shared = 4 * warps * stride
+    shared = 4 * warps * int(experts)
     with _launch.setup_scope():  # (an attribute set and an occupancy query, once per size)
         staged = launch_ctas_per_sm(route, _jit.MOE_ROUTE_THREADS, shared + 8 * ids.size) > 0
     route((1,), (_jit.MOE_ROUTE_THREADS,),

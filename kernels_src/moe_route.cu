@@ -11,9 +11,9 @@
 //
 // One CTA (the routing metadata is small): warp w owns a contiguous slice of
 // the pairs. 1) Each warp counts its slice per expert (shared-memory integer
-// atomics: the counts do not depend on their order). 2) A block-wide scan
-// over the counts in (expert, warp) order turns each into its warp's first
-// slot for the expert and gives the offsets. 3) Each warp walks its
+// atomics: the counts do not depend on their order). 2) Per expert, the
+// warps' counts become each warp's first slot (warps in order), and a
+// block-wide scan over experts gives the offsets. 3) Each warp walks its
 // slice 32 pairs at a time in order; lanes with the same expert (ballots of
 // the id's bits) take consecutive slots by lane order. Where the shared memory holds them,
 // step 1 keeps the ids there for step 3, and the order is staged there and
@@ -40,47 +40,15 @@ __device__ __forceinline__ void route_stamp(int i) {
 #define KBIT_ROUTE_STAMP(i, who)
 #endif
 
-// Exclusive prefix sum over the CTA's threads (in thread order), the warps'
-// totals scanned by one warp's shuffles (two barriers).
-template <int THREADS>
-__device__ __forceinline__ int route_exclusive_scan(int value, int* warp_sums) {
-  static_assert(THREADS <= 1024 && THREADS % 32 == 0, "one warp scans the warps' totals");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  int inclusive = value;
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int v = __shfl_up_sync(kFullMask, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const int total = lane < THREADS / 32 ? warp_sums[lane] : 0;
-    int before = total;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(kFullMask, before, d);
-      if (lane >= d) before += v;
-    }
-    if (lane < THREADS / 32) warp_sums[lane] = before - total;
-  }
-  __syncthreads();
-  return inclusive - value + warp_sums[warp];
-}
-
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict__ ids, int pairs,
                                                           int experts, int warps_used,
                                                           int* __restrict__ offsets,
                                                           int* __restrict__ order, int staged) {
-  // [warps_used][stride]: counts, then next free slot; then, where `staged`,
-  // the order itself ([pairs]), written to memory at the end in whole lines.
-  // With several warps the stride is odd (experts + 1 or + 2): step 2's
-  // threads read one expert's counts of consecutive warps, and a stride of
-  // a multiple of 32 put them all in one bank.
+  // [warps_used][experts]: counts, then next free slot; then, where `staged`,
+  // the order itself ([pairs]), written to memory at the end in whole lines
   extern __shared__ int slot[];
-  const int stride = warps_used > 1 ? experts + 1 + (experts & 1) : experts;
-  int* const order_stage = slot + warps_used * stride;
+  int* const order_stage = slot + warps_used * experts;
   int* const ids_stage = order_stage + pairs;  // (staged: the ids, [pairs])
   __shared__ int warp_sums[THREADS / 32];
   __shared__ int valid_rows;
@@ -90,7 +58,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   auto valid = [&](int e) { return e >= 0 && e < experts; };
   KBIT_ROUTE_STAMP(0, threadIdx.x == 0);
 
-  for (int i = threadIdx.x; i < warps_used * stride; i += THREADS) slot[i] = 0;
+  for (int i = threadIdx.x; i < warps_used * experts; i += THREADS) slot[i] = 0;
   __syncthreads();
   if (warp < warps_used) {  // 1) counts per (warp, expert)
     // unrolled: several loads of ids in flight, not one round trip each
@@ -99,38 +67,31 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
 #pragma unroll 4
     for (int i = begin + lane; i < end; i += 32) {
       const int e = __ldg(ids + i);
-      if (valid(e)) atomicAdd(slot + warp * stride + e, 1);
+      if (valid(e)) atomicAdd(slot + warp * experts + e, 1);
       if (staged) ids_stage[i] = e;
     }
   }
   KBIT_ROUTE_STAMP(1, lane == 0);
   __syncthreads();
 
-  // 2) The (expert, warp) counts in expert-major order, j = e * warps_used +
-  // w, cut into one contiguous share per thread: a block-wide scan of the
-  // shares turns each count into its warp's first row for the expert (warps
-  // in order), and an expert's first count (w = 0) into its offset. (Thread
-  // t owning experts whole, each summed over the warps one load after
-  // another, took 0.45 + 0.45 us with the scan's serial sum of the warps'
-  // totals 0.55 more, warm or not: H100, route_phases.py.)
-  const int total = warps_used * experts;
-  const int per = (total + THREADS - 1) / THREADS;
-  const int j0 = min(total, (int)threadIdx.x * per), j1 = min(total, j0 + per);
-  const int e0 = j0 / warps_used, w0 = j0 - e0 * warps_used;
+  // 2) thread t owns experts [t * per, (t + 1) * per): a block-wide scan of
+  // the experts' totals gives the offsets, and per expert the warps' counts
+  // become each warp's first row (warps in order).
+  const int per = (experts + THREADS - 1) / THREADS;
+  const int e0 = min(experts, (int)threadIdx.x * per), e1 = min(experts, e0 + per);
   int mine = 0;
-  for (int j = j0, e = e0, w = w0; j < j1; ++j) {
-    mine += slot[w * stride + e];
-    if (++w == warps_used) w = 0, ++e;
-  }
+  for (int e = e0; e < e1; ++e)
+    for (int w = 0; w < warps_used; ++w) mine += slot[w * experts + e];
   KBIT_ROUTE_STAMP(4, lane == 0);
-  int row = route_exclusive_scan<THREADS>(mine, warp_sums);
+  int row = cta_exclusive_scan(mine, warp_sums);
   KBIT_ROUTE_STAMP(5, lane == 0);
-  for (int j = j0, e = e0, w = w0; j < j1; ++j) {
-    if (w == 0) offsets[e] = row;
-    const int count = slot[w * stride + e];
-    slot[w * stride + e] = row;
-    row += count;
-    if (++w == warps_used) w = 0, ++e;
+  for (int e = e0; e < e1; ++e) {
+    offsets[e] = row;
+    for (int w = 0; w < warps_used; ++w) {
+      const int count = slot[w * experts + e];
+      slot[w * experts + e] = row;
+      row += count;
+    }
   }
   if (threadIdx.x == THREADS - 1) offsets[experts] = valid_rows = row;  // every valid pair
   KBIT_ROUTE_STAMP(2, lane == 0);
@@ -160,7 +121,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
         peers &= bit ? votes : ~votes;
       }
       const int rank = __popc(peers & ((1u << lane) - 1u));
-      int* next = slot + warp * stride + (ok ? e : 0);
+      int* next = slot + warp * experts + (ok ? e : 0);
       if (ok) {
         if (staged) order_stage[*next + rank] = i;
         else order[*next + rank] = i;
