@@ -40,6 +40,10 @@ __device__ __forceinline__ void route_stamp(int i) {
 #define KBIT_ROUTE_STAMP(i, who)
 #endif
 
+#ifndef KBIT_ROUTE_EARLY_TRIGGER
+#define KBIT_ROUTE_EARLY_TRIGGER 1
+#endif
+
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict__ ids, int pairs,
                                                           int experts, int warps_used,
@@ -57,6 +61,12 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   const int begin = min(pairs, warp * per_warp), end = min(pairs, begin + per_warp);
   auto valid = [&](int e) { return e >= 0 && e < experts; };
   KBIT_ROUTE_STAMP(0, threadIdx.x == 0);
+#if KBIT_ROUTE_EARLY_TRIGGER && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // the grouped launch that follows (programmatic dependent launch) may start
+  // its CTAs now: they wait (griddepcontrol.wait) for this grid to complete
+  // before they touch memory, so only their launch overlaps the routing
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   for (int i = threadIdx.x; i < warps_used * experts; i += THREADS) slot[i] = 0;
   __syncthreads();
