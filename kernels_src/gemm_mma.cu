@@ -119,9 +119,9 @@ constexpr int kSlabMinTiles = 24;
 // define_ab.py --define KBIT_SLAB_PRMT_MAX_TILES=32,_jit.GEMM_SLAB_PRMT_MAX_TILES=32).
 // Off: H100, k = 4, fp16, the same bits, time with the table against without
 // (results/define_ab_h100_slab_prmt32_off_26fd8a6_*.txt, two runs): 0.990-0.993 on
-// 4096x28672 and 14336x4096 at 1024 and 2048 rows (bf16 0.984-0.993), 0.986-0.998
+// 4096x28672 and 14336x4096 at 1024 and 2048 rows (bf16 0.989-0.993), 0.986-0.998
 // at 192 and 256 rows; 28672x8192 at 2048 rows 1.031 and 1.055, 8192x57344 at
-// 1024 rows 1.015 in one run, 0.989 in the other.
+// 1024 rows 1.015 in one run, 0.989 in the other (benchmarks/NOTES-gemm.md).
 #ifndef KBIT_SLAB_PRMT_MAX_TILES
 #define KBIT_SLAB_PRMT_MAX_TILES 0
 #endif
@@ -370,6 +370,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kLag = kStages - 2;
   constexpr int kChunksPerRow = kSlab ? 8 : 32;  // 16-byte chunks of a staged row
   constexpr int kStageChunks = 8 * M_TILES * kChunksPerRow;
+  // WG: the stages start at x_align (below), so the tables follow them there
+  // (gemm.py's 1 KB of alignment slack covers the shift); slab staging with
+  // k = 4's PRMT table (kPrmtTable below): the table first (64 KB, a multiple
+  // of the 1 KB alignment).
+  constexpr int kTableFirst = K == 4 && kSlab && M_TILES <= KBIT_SLAB_PRMT_MAX_TILES ? 256 * 16 : 0;
+  const int x_align =
+      kTableFirst +
+      (WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0);
   // k = 4 with 8 warps, and the Hopper path up to 64 rows (kGroupedWgPrmtMaxTiles,
   // kDenseWgPrmtMaxTiles): the PRMT-addressed pair table (64 KB, kPrmtTable
   // below) follows the stages, the grouped launch's tables follow it.
@@ -393,13 +401,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr bool kBigPairTable =
       K == 5 && ((WARPS == 16 && !WG) || (WG && !GROUPED && !kSlab &&
                                           M_TILES <= KBIT_DENSE_WG_K5_TABLE_MAX_TILES && kDenseWgTables));
-  // WG: the stages start at x_align (below), so the tables follow them there
-  // (gemm.py's 1 KB of alignment slack covers the shift); slab staging with
-  // the PRMT table: the table first (64 KB, a multiple of the 1 KB alignment).
-  constexpr int kTableFirst = kSlab && kPrmtTable ? 256 * 16 : 0;  // in uint4
-  const int x_align =
-      kTableFirst +
-      (WG ? (int)((1024u - ((unsigned)__cvta_generic_to_shared(x_stage) & 1023u)) & 1023u) / 16 : 0);
   // kPrmtTable: [256 entries][16]; with slab staging first, at the dynamic
   // shared memory's start, whose address is a constant (no register for it)
   uint4* const prmt_tab = kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
