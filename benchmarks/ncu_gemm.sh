@@ -11,6 +11,7 @@ for c in "$@"; do
   set -- $c
   f="$out/ncu_gemm_${1}x${2}_M${3}_k${4}_${5:-mma}.txt"
   pat=${5:-mma}; [ "$pat" = cluster ] && pat=latency  # the cluster split is gemm_latency.cu's
+  [ "$pat" = wgmma ] && pat=mma  # the Hopper path is gemm_mma.cu
   "$NCU" --clock-control none --kernel-name regex:kbit_gemm_$pat --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section SchedulerStats \
     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
