@@ -15,9 +15,9 @@
 // warps' counts become each warp's first slot (warps in order), and a
 // block-wide scan over experts gives the offsets. 3) Each warp walks its
 // slice 32 pairs at a time in order; lanes with the same expert (ballots of
-// the id's bits) take consecutive slots by lane order. Where the shared memory holds them,
-// step 1 keeps the ids there for step 3, and the order is staged there and
-// written out at the end.
+// the id's bits) take consecutive slots by lane order. Where the shared
+// memory holds them, step 1 keeps the ids there for step 3, and the order is
+// staged there and written out at the end.
 #include "common.cuh"
 
 namespace kbit {
@@ -110,8 +110,8 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
   // 3) rows in pair order: lanes with one expert take consecutive rows.
   if (warp < warps_used) {
     const int id_bits = experts > 1 ? 32 - __clz(experts - 1) : 0;
-    // the next 32 ids loaded while these are placed (one load in flight ahead;
-    // staged: from shared memory, each load from memory took a round trip)
+    // the next 32 ids loaded while these are placed (one load in flight
+    // ahead; staged: from shared memory)
     auto id_at = [&](int i) { return i < end ? (staged ? ids_stage[i] : __ldg(ids + i)) : -1; };
     int e_next = id_at(begin + lane);
     for (int i0 = begin; i0 < end; i0 += 32) {
@@ -120,9 +120,10 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
       e_next = id_at(i + 32);
       const bool ok = valid(e);
       // the lanes with this lane's expert: one ballot per bit of the id (and
-      // one of validity) instead of __match_any_sync, which took about 1.1 us
-      // a round over 128 experts (H100, route_phases.py: 4096 pairs placed in
-      // 4.4 us of 7.8; its cost grows with the distinct values in the warp)
+      // one of validity) instead of __match_any_sync, whose time grows with
+      // the distinct values in the warp (H100, route_phases.py, 4096 pairs
+      // over 128 experts placed in: match_any 4.96 us, staged 4.42 + 0.48
+      // written out; ballots 4.42, staged 2.88 + 0.48)
       unsigned peers = __ballot_sync(kFullMask, ok);
       if (!ok) peers = ~peers;
       for (int b = 0; b < id_bits; ++b) {
@@ -142,10 +143,7 @@ __global__ void __launch_bounds__(THREADS) kbit_moe_route(const int* __restrict_
     }
   }
   KBIT_ROUTE_STAMP(3, lane == 0);
-  // Staged: the order to memory in whole lines. (Placing 4096 pairs over
-  // 128 experts took 5.1 us of 7.8 with the ids loaded from and the order
-  // stored to memory, H100, benchmarks/route_phases.py, after the TARGETS.md
-  // overwrite; the same with either staged alone.)
+  // Staged: the order to memory in whole lines (times above).
   if (staged) {
     __syncthreads();
     for (int r = threadIdx.x; r < valid_rows; r += THREADS) order[r] = order_stage[r];
