@@ -157,6 +157,10 @@ def main() -> int:
         cp.get_default_memory_pool().free_all_blocks()
 
     if args.moe:
+        from kbit_cupy_base.experts import route_pairs as route_a
+
+        from kbit_cupy.experts import route_pairs as route_b
+
         nrng = np.random.default_rng(0)
         for E, N, K_dim, top_k in MOE + (((8, 28672, 4096, 2),) if args.moe_mixtral else ()):
             W = cp.asarray((nrng.standard_normal((E, N, K_dim)) * 0.02).astype(np.float16))
@@ -178,10 +182,6 @@ def main() -> int:
                 print(f"moe_linear E={E} [{N},{K_dim}] top-{top_k} T={T}: A {t_a:7.2f}  B {t_b:7.2f}  "
                       f"B/A {t_a / t_b:5.3f}  {compare(ra, rb)}", flush=True)
                 if args.route:
-                    from kbit_cupy_base.experts import route_pairs as route_a
-
-                    from kbit_cupy.experts import route_pairs as route_b
-
                     t_a = graph_us(lambda ids=ids, E=E: route_a(ids, E))
                     t_b = graph_us(lambda ids=ids, E=E: route_b(ids, E))
                     with harness._bench_stream():

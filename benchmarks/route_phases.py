@@ -36,7 +36,6 @@ def main() -> int:
 
     from kbit_cupy import _jit, experts
     from kbit_cupy.bench import harness
-    from kbit_cupy.gemm import launch_ctas_per_sm
 
     name = _jit.kernel_name("moe_route", _jit.MOE_ROUTE_THREADS)
     module = cp.RawModule(code=_jit.render_source("moe_route"),
@@ -54,12 +53,9 @@ def main() -> int:
     for case in args.cases:
         E, pairs = (int(v) for v in case.split(":"))
         ids = cp.asarray(rng.integers(0, E, pairs).astype(np.int32))
-        warps = min(_jit.MOE_ROUTE_THREADS // 32, experts._ROUTE_SHARED_INTS // E)
-        stride = E
+        warps, staged, shared = experts._route_geometry(kern, E, pairs, args.staged)
         offsets = cp.empty(E + 1, cp.int32)
         order = cp.empty(pairs, cp.int32)
-        staged = args.staged and launch_ctas_per_sm(kern, _jit.MOE_ROUTE_THREADS,
-                                                    4 * (warps * stride + 2 * pairs)) > 0
         rows = []
         for _ in range(args.reps):
             if not args.warm:
@@ -68,7 +64,7 @@ def main() -> int:
             kern((1,), (_jit.MOE_ROUTE_THREADS,),
                  (ids, np.int32(pairs), np.int32(E), np.int32(warps), offsets, order,
                   np.int32(staged)),
-                 shared_mem=4 * warps * stride + (8 * pairs if staged else 0))
+                 shared_mem=shared)
             cp.cuda.Device().synchronize()
             s = cp.asnumpy(stamps).astype(np.int64)
             rows.append([(s[i] - s[0]) / 1e3 for i in (1, 4, 5, 2, 3, 6)])

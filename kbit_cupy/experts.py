@@ -663,10 +663,8 @@ def route_pairs(topk_ids, experts: int):
     """
     import cupy as cp
 
-    warps = min(_jit.MOE_ROUTE_THREADS // 32, _ROUTE_SHARED_INTS // max(int(experts), 1))
-    if warps < 1:
-        raise ValueError(f"routing on the GPU takes at most {_ROUTE_SHARED_INTS} experts, got "
-                         f"{experts}; group the rows yourself and call kbit_grouped_gemm")
+    route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
+    warps, staged, shared = _route_geometry(route, int(experts), topk_ids.size)
     if topk_ids.size >= 2**31:
         raise ValueError(f"routing on the GPU takes fewer than 2**31 choices, got {topk_ids.size}")
     ids = _ids_int32(topk_ids, experts)
@@ -675,16 +673,28 @@ def route_pairs(topk_ids, experts: int):
     offsets = _launch.stream_buffer("moe_offsets", 4 * (int(experts) + 1), stream)
     offsets = offsets.view(cp.int32)[:int(experts) + 1]
     order = _launch.stream_buffer("moe_order", 4 * ids.size, stream).view(cp.int32)[:ids.size]
-    route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
-    # the ids and the order staged in shared memory where they fit (opting in past 48 KB)
-    shared = 4 * warps * int(experts)
-    with _launch.setup_scope():  # (an attribute set and an occupancy query, once per size)
-        staged = launch_ctas_per_sm(route, _jit.MOE_ROUTE_THREADS, shared + 8 * ids.size) > 0
     route((1,), (_jit.MOE_ROUTE_THREADS,),
           (ids, np.int32(ids.size), np.int32(experts), np.int32(warps), offsets, order,
            np.int32(staged)),
-          shared_mem=shared + (8 * ids.size if staged else 0))
+          shared_mem=shared)
     return offsets, order
+
+
+def _route_geometry(route, experts: int, pairs: int, staged: bool = True) -> tuple[int, bool, int]:
+    """(warps, staged, dynamic shared bytes) of a moe_route.cu launch of
+    ``route``: a warp per slice of the pairs while their (warp, expert) counts
+    fit _ROUTE_SHARED_INTS; the ids and the order staged in shared memory
+    where they fit too (opting in past 48 KB; ``staged=False``: never).
+    ValueError past _ROUTE_SHARED_INTS experts."""
+    warps = min(_jit.MOE_ROUTE_THREADS // 32, _ROUTE_SHARED_INTS // max(experts, 1))
+    if warps < 1:
+        raise ValueError(f"routing on the GPU takes at most {_ROUTE_SHARED_INTS} experts, got "
+                         f"{experts}; group the rows yourself and call kbit_grouped_gemm")
+    shared = 4 * warps * experts
+    if staged:
+        with _launch.setup_scope():  # (an attribute set and an occupancy query, once per size)
+            staged = launch_ctas_per_sm(route, _jit.MOE_ROUTE_THREADS, shared + 8 * pairs) > 0
+    return warps, staged, shared + (8 * pairs if staged else 0)
 
 
 def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = True):

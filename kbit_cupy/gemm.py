@@ -915,7 +915,7 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     if M <= cl_max:
         return "cluster"
     if (M > 256 and M <= wg_max and k != 5 and _layer_class(N, K_dim, k, bool(wgmma)) == "mid"
-            and not _mid_slab_chunks_fill(M, N, sms)):
+            and not _mid_slab_chunks_fill(M, N, _device_sms() if sms is None else sms)):
         return "dequant"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
 
@@ -925,12 +925,12 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
 _MID_CHUNKS_MIN_FILL = 0.9
 
 
-def _mid_slab_chunks_fill(M: int, N: int, sms: int | None = None) -> bool:
+def _mid_slab_chunks_fill(M: int, N: int, sms: int) -> bool:
     """Whether wgmma's slab chunks (256 rows, two warpgroups of 64 rows of W
     a CTA, one CTA an SM) run ``M`` rows of a "mid" layer of N rows faster
     than dequantize + cuBLAS: where they are taken (_wg_slab_chunks: else
     launches of 256 rows and the rest, which lost) and their CTAs fit one
-    wave on ``sms`` SMs (default: this GPU's; 132 without one) or fill the
+    wave on ``sms`` SMs or fill the
     last wave to _MID_CHUNKS_MIN_FILL. Against dequantize + cuBLAS
     (results/large_m_h{100,200}_slab_chunks_mid_ef571d2_float16.md, k = 2
     and 4, 4096x4096, 4096x6144, 5120x5120, 6144x4096 at 448..4096 rows):
@@ -940,11 +940,6 @@ def _mid_slab_chunks_fill(M: int, N: int, sms: int | None = None) -> bool:
     rows = 256
     if not _wg_slab_chunks(M, rows):
         return False
-    if sms is None:
-        try:
-            sms = _sm_count()
-        except Exception:  # noqa: BLE001 - no CuPy or no GPU: the H100's and the H200's
-            sms = 132
     ctas = math.ceil(M / rows) * math.ceil(_tile_counts(N, K_PER_TILE)[0] / 8)
     return ctas <= sms or ctas / (math.ceil(ctas / sms) * sms) >= _MID_CHUNKS_MIN_FILL
 
@@ -978,6 +973,13 @@ def _device_tbps() -> float:
         return device_tbps()
     except Exception:  # noqa: BLE001 - no CuPy or no GPU: the rows that need no bandwidth
         return 0.0
+
+
+def _device_sms() -> int:
+    try:
+        return _sm_count()
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU: the H100's and the H200's
+        return 132
 
 
 _resident_cache: dict[tuple[object, int], int] = {}  # (kernel, dynamic shared) -> CTAs per SM

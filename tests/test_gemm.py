@@ -381,6 +381,7 @@ def test_cluster_geometry_against_its_run(gpu):
         checked += 1
     assert checked >= 12, checked
 
+
 def _newest_points(pattern: str, kernels: tuple) -> dict[tuple, dict]:
     """The times of ``kernels`` per (K_dim, N, M, k, dtype) in the committed
     runs matching ``pattern``, a later run's (by its date) in place of an
@@ -445,8 +446,6 @@ def test_large_m_takes_wgmma_slab_chunks_to_4096_rows(gpu):
         assert choose_kernel(1024, 28672, 4096, 5, "float16", wgmma=True, tbps=tbps) == "dequant"
         assert choose_kernel(4096, 28672, 4096, 4, "bfloat16", wgmma=True, tbps=tbps) == "wgmma"
         assert choose_kernel(4097, 28672, 4096, 4, "float16", wgmma=True, tbps=tbps) == "dequant"
-
-
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
