@@ -5,8 +5,8 @@ The loop is the innermost backward branch whose body holds every HGMMA (or
 HMMA) of the K-tile loop; its opcode counts are per K tile when the body is
 one tile (slab staging: one set of index words, so the loop is not unrolled
 by two), or per two tiles otherwise (printed: tiles per body). A K tile is
-16 rows x 256 columns per warp: 128 weights per lane, so instructions per
-weight per lane = count / (128 x tiles).
+16 rows x 256 columns per warp and row tile: 128 weights per lane, so
+instructions per weight per lane = count / (128 x row tiles a warp x tiles).
 """
 
 import argparse
@@ -46,8 +46,9 @@ def main() -> None:
         steps = 16 if ops.get("HGMMA") else 16 * targs[3] * targs[4]  # per K tile
         tiles = n_mma / steps
         total = sum(ops.values())
-        print(f"== gemm_mma<{text}> main loop: {total} instructions, {tiles:g} K tile(s): "
-              f"{total / (128 * tiles):.2f} per weight per lane")
+        rpw = 1 if ops.get("HGMMA") else targs[4]  # row tiles a warp: 128 weights a lane each
+        print(f"== gemm_mma<{text}> main loop: {total} instructions, {tiles:g} K tile(s) of {rpw} "
+              f"row tile(s): {total / (128 * rpw * tiles):.2f} per weight per lane")
         print("   " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
 
 
