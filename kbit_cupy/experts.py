@@ -663,10 +663,10 @@ def route_pairs(topk_ids, experts: int):
     """
     import cupy as cp
 
-    route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
-    warps, staged, shared = _route_geometry(route, int(experts), topk_ids.size)
     if topk_ids.size >= 2**31:
         raise ValueError(f"routing on the GPU takes fewer than 2**31 choices, got {topk_ids.size}")
+    route = _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
+    warps, staged, shared = _route_geometry(route, int(experts), topk_ids.size)
     ids = _ids_int32(topk_ids, experts)
     # kept per stream, not freed after the call: a graph captured here writes them
     stream = _launch.current_stream_ptr()
