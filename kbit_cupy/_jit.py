@@ -119,7 +119,7 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, True)))
                     if k == 4 and scale == "uint8":  # the same at 8 warps (experts._grouped_wide)
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, True, 8)))
-                    for m_tiles in GEMM_GROUPED_WG_M_TILES:  # the same on the Hopper path
+                    for m_tiles in gemm_grouped_wg_m_tiles(k):  # the same on the Hopper path
                         wgs = gemm_grouped_wg_warpgroups(m_tiles, k)
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs, True)))
                     for m_tiles in GEMM_LATENCY_M_TILES:
@@ -133,7 +133,17 @@ def all_variants() -> list[Variant]:
 MOE_ROUTE_THREADS = 1024  # one CTA groups a router's choices (kernels_src/moe_route.cu)
 GEMM_M_TILES = (1, 2, 4, 8)  # n8 tiles of activation rows per gemm_mma launch (M <= 8..64)
 GEMM_GROUPED_M_TILES = (1, 2, 4)  # n8 tiles per problem of the grouped launch (experts.py)
-GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16)  # the same, grouped launch on the Hopper path (sm_90a)
+# the same, grouped launch on the Hopper path (sm_90a); 18 and 20 (144 and 160
+# rows, two stages: gemm_wg_stages) hold an expert of about 128 rows in one
+# problem (not for k = 5: gemm_grouped_wg_m_tiles)
+GEMM_GROUPED_WG_M_TILES = (2, 4, 6, 8, 16, 18, 20)
+
+
+def gemm_grouped_wg_m_tiles(k: int) -> tuple[int, ...]:
+    """The grouped Hopper launch's n8 tiles for ``k``: GEMM_GROUPED_WG_M_TILES,
+    without 18 and 20 for k = 5 (four of its eight variants there spill 12
+    bytes at 255 registers); (16,) where that leaves none."""
+    return tuple(t for t in GEMM_GROUPED_WG_M_TILES if k != 5 or t <= 16) or (16,)
 # k = 4 on that path up to this many n8 tiles: the 64 KB PRMT-addressed pair
 # table in dynamic shared memory (gemm_mma.cu KBIT_GROUPED_WG_PRMT_MAX_TILES)
 GEMM_GROUPED_WG_PRMT_MAX_TILES = 8
@@ -223,12 +233,19 @@ def gemm_wg_entry_regs(m_tiles: int, wgs: int) -> int:
     return 65536 // gemm_wg_threads(m_tiles, wgs) // 8 * 8
 
 
+def gemm_wg_stages(m_tiles: int) -> int:
+    """Stages (whole K tiles) of a wgmma variant below slab staging
+    (gemm_mma.cu ``gemm_wg_stages``, which this mirrors): three, two past 16
+    n8 tiles (three of 72-80 KB do not fit beside the decode tables)."""
+    return 2 if m_tiles > 16 else 3
+
+
 def gemm_wg_shared_bytes(m_tiles: int, wgs: int, itemsize: int) -> int:
     """Dynamic shared memory of a wgmma launch: its activation stages plus
     1 KB for the run-time alignment to the 1024-byte swizzle atom."""
     if m_tiles >= GEMM_SLAB_MIN_M_TILES:
         return gemm_slab_ring(m_tiles, wgs) * 8 * m_tiles * 64 * itemsize + 1024
-    return 3 * 8 * m_tiles * 256 * itemsize + 1024
+    return gemm_wg_stages(m_tiles) * 8 * m_tiles * 256 * itemsize + 1024
 
 
 def gemm_wg_warpgroups(m_tiles: int, k: int, scale: str = "uint8") -> int:

@@ -337,7 +337,7 @@ def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_
 # 697.6 against 762.0 us and 1331.0 against 1506.4 (results/
 # moe_mtiles_ab_h100_dcaf825_m16.txt); 128 x [3072, 4096] at 32 rows, one
 # problem each: 834.5 against 557.7.
-_WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31, 16: 2.0}
+_WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31, 16: 2.0, 18: 2.25, 20: 2.5}
 
 
 def grouped_wg_m_tiles(rows: int, experts: int,
@@ -562,7 +562,7 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     wg = _grouped_wgmma(T, E)
-    choices = _jit.GEMM_GROUPED_WG_M_TILES
+    choices = _jit.gemm_grouped_wg_m_tiles(experts.k)
     limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     while True:
         if wg:  # problems of 16 to 128 rows: wgmma's N
@@ -571,9 +571,9 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
         else:
             m_tiles, wgs = grouped_m_tiles(T, E), 0
         stage = m_tiles * 8 * K_PER_TILE * dtype.itemsize
-        # the activation stages (wgmma: three, aligned at run time to 1 KB), then
-        # the problem tables (and the routed ids and order)
-        stages = 3 * stage + 1024 if wg else 2 * stage
+        # the activation stages (wgmma: three, two past 16 n8 tiles, aligned at
+        # run time to 1 KB), then the problem tables (and the routed ids and order)
+        stages = _jit.gemm_wg_stages(m_tiles) * stage + 1024 if wg else 2 * stage
         shared = stages + 2 * (E + 1) * 4 + (2 * T * 4 if routed else 0)
         # (between the two: k = 4's PRMT-addressed pair table, where the kernel has it)
         wide = _grouped_wide(experts, wg, m_tiles)

@@ -125,6 +125,11 @@ constexpr int kSlabMinTiles = 24;
 #ifndef KBIT_SLAB_PRMT_MAX_TILES
 #define KBIT_SLAB_PRMT_MAX_TILES 0
 #endif
+// Stages (whole K tiles) of the wgmma path below slab staging: three, so
+// that a tile's copies need no wait for the previous tile's multiplies; two
+// past 16 n8 tiles (the grouped launch's 144 and 160 rows: three stages of
+// 72-80 KB do not fit beside the decode tables). _jit.gemm_wg_stages mirrors it.
+__host__ __device__ constexpr int gemm_wg_stages(int m_tiles) { return m_tiles > 16 ? 2 : 3; }
 __host__ __device__ constexpr int gemm_slab_ring(int m_tiles, int wg) {
   return (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles) < 15 / (wg + 1)
              ? (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles)
@@ -363,7 +368,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // slab (a quarter K tile), kStages of them in a ring that a producer
   // warp fills (see below): a whole K tile of 256 rows would be 128 KB a
   // stage. Otherwise a stage is a K tile (WG: three, mma: two).
-  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? 3 : 2;
+  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? gemm_wg_stages(M_TILES) : 2;
+  // WG with two stages (more than 16 n8 tiles below slab staging: the grouped
+  // launch's 144- and 160-row problems, whose three stages would not fit):
+  // a tile's copies wait for every multiply of the previous tile (see tile()).
+  constexpr bool kTwoStageWg = WG && !kSlab && kStages == 2;
   // The producer publishes slab s when it has issued slab s + kLag: at most
   // kStages - 2, or it would wait for a stage that a consumer frees only
   // after the slab it waits for.
@@ -597,7 +606,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // bytes, chunk c of row r at c ^ (r & 7), each slab 1024-byte aligned (the
   // dynamic buffer is aligned at run time; gemm.py adds 1 KB).
   // WG: three stages (kStages above), so refilling the stage of tile i - 2
-  // needs no wait for the tensor cores at the end of every tile (see tile()).
+  // needs no wait for the tensor cores at the end of every tile (see tile());
+  // two past 16 n8 tiles (kTwoStageWg).
   auto x_chunk = [&](int row, int c) {  // chunk c (16 bytes) of staged row `row`
     if constexpr (WG) return (c >> 3) * (8 * M_TILES * 8) + row * 8 + ((c & 7) ^ (row & 7));
     return row * 32 + (c ^ (row & 7));
@@ -1207,6 +1217,15 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Tile i of the current segment: weights and scale words in (w, raw),
   // the next unit's (the next K tile, or the next group's first) loaded into
   // (w_next, raw_next) meanwhile, so the pipeline runs across segments.
+  // The next tile's activations into the stage after `buf`.
+  auto refill = [&](int buf, int next_kt, bool in_seg) {
+    if constexpr (GROUPED) {
+      load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, in_seg ? cur.row0 : nxt.row0,
+             in_seg ? cur.rows : nxt.rows);
+    } else {
+      load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, 0, M);
+    }
+  };
   auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
     // (Slab staging: each slab's stage follows from its index, slab_s below.)
@@ -1227,9 +1246,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // tile's copies overwrite: mma.sync, the previous tile's stage (its
     // ldmatrix reads are synchronous); wgmma, the stage of tile i - 2 (three
     // stages; every warpgroup waited for tile i - 2's multiplies at block 1 of
-    // tile i - 1, wgmma_wait<1>, before arriving here).
+    // tile i - 1, wgmma_wait<1>, before arriving here). Two stages
+    // (kTwoStageWg): the previous tile's stage, so every warpgroup first waits
+    // for all of its multiplies; its last block's then does not overlap this
+    // tile's first decode. (Copies issued later in the tile, once block 1's
+    // wait had retired the previous tile, made ptxas serialize every wgmma
+    // of the loop: "non wgmma instructions defining input registers".)
     // (Slab staging: the producer warp's named barriers, per slab, below.)
-    if constexpr (!kSlab) {
+    auto publish = [&]() {
       asm volatile("cp.async.wait_group 0;\n" ::);
       if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
       __syncthreads();
@@ -1237,15 +1261,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         mma_phase(2);
         mma_phase_after(1, w[0][0]);
       }
-      if (has_next) {
-        if constexpr (GROUPED) {
-          load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, in_seg ? cur.row0 : nxt.row0,
-                 in_seg ? cur.rows : nxt.rows);
-        } else {
-          load_x(next_kt, WG ? (buf + 1) % kStages : buf ^ 1, 0, M);
-        }
-      }
-    }
+      if (has_next) refill(buf, next_kt, in_seg);
+    };
+    if constexpr (kTwoStageWg) wgmma_wait<0>();
+    if constexpr (!kSlab) publish();
     // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
     unsigned sw_lo[RPW][2 * ScaleWord<TScale>::kBytes / 4], sw_hi[RPW][2 * ScaleWord<TScale>::kBytes / 4];
 #pragma unroll
@@ -1354,7 +1373,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         // At most block j - 1's multiply still runs: block j - 2's A registers
         // are free again, so a tile needs three sets of fragments, not eight,
         // and block j decodes while j - 1 multiplies. (Slab staging: above.)
-        if constexpr (!kSlab) wgmma_wait<1>();
+        // (Two stages: at block 0 the previous tile's were waited for at the top.)
+        if constexpr (!kSlab) {
+          if (!kTwoStageWg || j != 0) wgmma_wait<1>();
+        }
         if constexpr (kSlab) {
           // Slab j / 2's stage; both descriptors are fence operands (defined before it).
           const unsigned stage_addr = x_base + (slab_s % kStages) * (kStageChunks * 16) + (j & 1) * 64;

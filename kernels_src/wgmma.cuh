@@ -68,10 +68,20 @@ KBIT_WGMMA(__half, "f16", 128, KBIT_D64, "{%64, %65, %66, %67}, %68", KBIT_ACC32
            KBIT_ACC32(8))
 KBIT_WGMMA(__nv_bfloat16, "bf16", 128, KBIT_D64, "{%64, %65, %66, %67}, %68", KBIT_ACC32(0),
            KBIT_ACC32(8))
+// N = 144 and 160 (the grouped launch's 144- and 160-row problems): 72 and 80 D registers.
+#define KBIT_D72 KBIT_D64 ", %64, %65, %66, %67, %68, %69, %70, %71"
+#define KBIT_D80 KBIT_D72 ", %72, %73, %74, %75, %76, %77, %78, %79"
+KBIT_WGMMA(__half, "f16", 144, KBIT_D72, "{%72, %73, %74, %75}, %76", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC4(16), KBIT_ACC4(17))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 144, KBIT_D72, "{%72, %73, %74, %75}, %76", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC4(16), KBIT_ACC4(17))
+KBIT_WGMMA(__half, "f16", 160, KBIT_D80, "{%80, %81, %82, %83}, %84", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC16(16))
+KBIT_WGMMA(__nv_bfloat16, "bf16", 160, KBIT_D80, "{%80, %81, %82, %83}, %84", KBIT_ACC32(0),
+           KBIT_ACC32(8), KBIT_ACC16(16))
 // N = 192 and 256 (the slab-staged launch, M_TILES 24 and 32): 96 and 128 D registers.
 #define KBIT_D96 \
-  KBIT_D64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, " \
-           "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+  KBIT_D80 ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define KBIT_D128                                                                            \
   KBIT_D96 ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, " \
            "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "   \

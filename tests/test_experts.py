@@ -13,6 +13,7 @@ import pytest
 
 from kbit_cupy import (
     KbitExperts,
+    _jit,
     kbit_gemm,
     kbit_grouped_gemm,
     moe_linear,
@@ -148,7 +149,6 @@ def test_grouped_hopper_pair_table_where_experts_py_adds_its_shared_memory(m_til
     from dynamic shared memory (its 32 KB static pair table gone) exactly for
     the problem sizes where experts.py adds the 64 KB (offline compile)."""
     pytest.importorskip("cupy")
-    from kbit_cupy import _jit
 
     wgs = _jit.gemm_grouped_wg_warpgroups(m_tiles, 4)
     (res,) = _jit.compile_check(["sm_90a"], [_jit.Variant("gemm_mma", (4, "float16", "uint8",
@@ -428,16 +428,16 @@ def test_gpu_grouped_gemm_few_rows_longer_than_the_latency_kernel_stages():
 
 
 @gpu_test
-@pytest.mark.parametrize("tiles", [2, 4, 6, 8, 16])
+@pytest.mark.parametrize("k, tiles", [(k, t) for k in (2, 3, 4, 5) for t in _jit.gemm_grouped_wg_m_tiles(k)])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_gpu_grouped_hopper_path_every_problem_size(tiles, k, dtype, monkeypatch):
-    """The Hopper path with problems of 8 * tiles rows (16..128; 65 rows per
-    expert: one to five problems, the last one partial, 19 row tiles):
-    poisoned output all written, within the bound, the same bits again."""
+    """The Hopper path with problems of 8 * tiles rows (16..160; 65 rows per
+    expert: one to five problems, the last one partial, 19 row tiles; 144
+    and 160 rows, two stages: 330 rows per expert, three problems, and five
+    K tiles, the last partial): poisoned output all written, within the
+    bound, the same bits again."""
     import cupy as cp
 
-    from kbit_cupy import _jit
     from kbit_cupy import experts as experts_module
     from kbit_cupy.gemm import has_wgmma
 
@@ -446,6 +446,8 @@ def test_gpu_grouped_hopper_path_every_problem_size(tiles, k, dtype, monkeypatch
     monkeypatch.setattr(experts_module, "_GROUPED_WG", True)
     monkeypatch.setattr(_jit, "GEMM_GROUPED_WG_M_TILES", (tiles,))
     E, N, K_dim, T, top_k = 16, 300, 288, 130, 8
+    if _jit.gemm_wg_stages(tiles) == 2:
+        K_dim, T = 1100, 660
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=tiles + k)
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
@@ -463,18 +465,21 @@ def test_gpu_grouped_hopper_path_every_problem_size(tiles, k, dtype, monkeypatch
 
 @gpu_test
 @pytest.mark.parametrize("E", [8, 256])
-def test_gpu_grouped_128_row_problems_or_smaller_where_shared_memory_ends(E):
-    """~100 rows per expert picks 128-row problems; with k=4's pair table and
-    256 experts their stages and tables pass the shared-memory limit, and the
-    launch takes 64-row problems instead of failing. (128 experts did, with
-    bf16's 1 KB scale table; bf16 computes the scale pair since c32e066.)"""
+def test_gpu_grouped_128_row_problems_or_smaller_where_shared_memory_ends(E, monkeypatch):
+    """~100 rows per expert picks problems of 128 rows or more (8 experts);
+    offered at most 128 (256 experts), with k=4's pair table their three
+    stages and the tables pass the shared-memory limit, and the launch takes
+    64-row problems instead of failing. (128 experts did, with bf16's 1 KB
+    scale table; bf16 computes the scale pair since c32e066.)"""
     import cupy as cp
 
-    from kbit_cupy import _jit
     from kbit_cupy.gemm import has_wgmma
 
     if not has_wgmma():
         pytest.skip("the Hopper path needs an sm_90 GPU")
+    if E == 256:  # (144 and 160 rows take two stages, which fit)
+        monkeypatch.setattr(_jit, "GEMM_GROUPED_WG_M_TILES",
+                            tuple(t for t in _jit.GEMM_GROUPED_WG_M_TILES if t <= 16))
     N, K_dim, rows = 40, 96, 100
     rng = np.random.default_rng(E)
     W = (rng.standard_normal((E, N, K_dim)) * 0.05).astype(np.float32)
@@ -487,13 +492,16 @@ def test_gpu_grouped_128_row_problems_or_smaller_where_shared_memory_ends(E):
                            @ to_host(ex.expert(e).dequantize(np.float32)).astype(np.float64).T
                            for e in range(E)])
     assert rel_error(got, want) <= BOUNDS[BFLOAT16]
-    # its dynamic shared memory: three stages of a problem's rows, the problem
+    # its dynamic shared memory: the stages of a problem's rows, the problem
     # tables and (64-row problems) the PRMT-addressed pair table
     (run,) = ex._plans.values()
-    rows_per_problem = 128 if E == 8 else 64
+    tiles = _jit.GEMM_GROUPED_WG_M_TILES
+    rows_per_problem = 8 * grouped_wg_m_tiles(int(offsets[-1]), E, tiles) if E == 8 else 64
+    assert rows_per_problem >= 128
     table = _jit.gemm_prmt_table_bytes(4, rows_per_problem // 8, 2, True, 4)
     assert table == (0 if E == 8 else _jit.PRMT_TABLE_BYTES)
-    stage_rows = (run._launch.shared - 2 * (E + 1) * 4 - 1024 - table) // (3 * 256 * 2)
+    stages = _jit.gemm_wg_stages(rows_per_problem // 8)
+    stage_rows = (run._launch.shared - 2 * (E + 1) * 4 - 1024 - table) // (stages * 256 * 2)
     assert stage_rows == rows_per_problem
 
 
