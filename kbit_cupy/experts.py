@@ -337,7 +337,7 @@ def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_
 # 697.6 against 762.0 us and 1331.0 against 1506.4 (results/
 # moe_mtiles_ab_h100_dcaf825_m16.txt); 128 x [3072, 4096] at 32 rows, one
 # problem each: 834.5 against 557.7.
-_WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31, 16: 2.0, 18: 2.25, 20: 2.5}
+_WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31, 16: 2.0, 18: 2.13, 20: 2.22}
 
 
 def grouped_wg_m_tiles(rows: int, experts: int,

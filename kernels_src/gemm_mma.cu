@@ -129,7 +129,14 @@ constexpr int kSlabMinTiles = 24;
 // that a tile's copies need no wait for the previous tile's multiplies; two
 // past 16 n8 tiles (the grouped launch's 144 and 160 rows: three stages of
 // 72-80 KB do not fit beside the decode tables). _jit.gemm_wg_stages mirrors it.
-__host__ __device__ constexpr int gemm_wg_stages(int m_tiles) { return m_tiles > 16 ? 2 : 3; }
+// KBIT_WG_TWO_STAGES_FROM (A/B runs only; the host still sizes three stages
+// below 17 n8 tiles, which is more than two need): two stages from there.
+#ifndef KBIT_WG_TWO_STAGES_FROM
+#define KBIT_WG_TWO_STAGES_FROM 17
+#endif
+__host__ __device__ constexpr int gemm_wg_stages(int m_tiles) {
+  return m_tiles >= KBIT_WG_TWO_STAGES_FROM ? 2 : 3;
+}
 __host__ __device__ constexpr int gemm_slab_ring(int m_tiles, int wg) {
   return (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles) < 15 / (wg + 1)
              ? (128 / m_tiles < 4 ? 4 : 128 / m_tiles > 8 ? 8 : 128 / m_tiles)

@@ -497,7 +497,7 @@ def test_gpu_grouped_128_row_problems_or_smaller_where_shared_memory_ends(E, mon
     (run,) = ex._plans.values()
     tiles = _jit.GEMM_GROUPED_WG_M_TILES
     rows_per_problem = 8 * grouped_wg_m_tiles(int(offsets[-1]), E, tiles) if E == 8 else 64
-    assert rows_per_problem >= 128
+    assert rows_per_problem >= 128 or E != 8
     table = _jit.gemm_prmt_table_bytes(4, rows_per_problem // 8, 2, True, 4)
     assert table == (0 if E == 8 else _jit.PRMT_TABLE_BYTES)
     stages = _jit.gemm_wg_stages(rows_per_problem // 8)
