@@ -1,0 +1,48 @@
+"""One config's kbit_grouped_gemm launch, run a few times for a profiler
+(device only): ``ncu --kernel-name regex:kbit_gemm_mma --launch-skip 2
+--launch-count 1 python benchmarks/profile_moe.py mixtral_8x7b_w13 512 20``.
+
+The inputs are moe_mtiles_ab.py's (seed 0, a uniform top-k router, rows
+grouped by expert); the optional third argument forces the Hopper path's
+n8 tiles per problem (``_jit.GEMM_GROUPED_WG_M_TILES``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moe_vs_grouped_mm import CONFIGS
+
+
+def main() -> int:
+    import cupy as cp
+
+    from kbit_cupy import _jit, kbit_grouped_gemm, quantize_experts
+
+    name, T = sys.argv[1], int(sys.argv[2])
+    if len(sys.argv) > 3:
+        _jit.GEMM_GROUPED_WG_M_TILES = (int(sys.argv[3]),)
+    E, top_k, N, K_dim, _ = CONFIGS[name]
+    rng = np.random.default_rng(0)
+    W = (cp.random.default_rng(0).standard_normal((E, N, K_dim), dtype=cp.float32)
+         * np.float32(0.02)).astype(cp.float16)
+    experts = quantize_experts(W, k=4).prepare()
+    del W
+    ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)]).reshape(-1)
+    order = np.argsort(ids, kind="stable")
+    offsets = cp.asarray(np.concatenate([[0], np.cumsum(np.bincount(ids, minlength=E))]).astype(np.int32))
+    x = rng.standard_normal((T, K_dim)).astype(np.float32)
+    A = cp.asarray(x[order // top_k]).astype(cp.float16)
+    for _ in range(4):
+        kbit_grouped_gemm(A, experts, offsets, validate=False)
+    cp.cuda.Device().synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
