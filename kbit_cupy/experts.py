@@ -48,9 +48,16 @@ _WARPS = 4  # per CTA of the grouped launch (mma.sync, one row tile per warp)
 # without opting in (the kernel's static shared memory comes on top)
 _ROUTE_SHARED_INTS = 11 * 1024
 # Up to this many (token, choice) pairs moe_linear routes inside the grouped
-# launch (every CTA groups them: O(pairs^2 / 128) shared-memory compares per
-# thread) instead of launching moe_route.cu first.
-_FUSED_ROUTE_MAX_PAIRS = 256
+# launch (every CTA counts the pairs per expert and places the rows of the
+# problems it works on: one pass over the pairs per problem, 8 bytes of
+# shared memory per pair) instead of launching moe_route.cu first.
+_FUSED_ROUTE_MAX_PAIRS = 4096
+
+
+class _RoutedTablesDoNotFit(ValueError):
+    """The grouped launch's preferred problem size does not fit the shared
+    memory with the routed ids and order (moe_linear routes in its own launch)."""
+
 
 
 def _check_device(name: str, arr) -> None:
@@ -370,7 +377,7 @@ def grouped_wg_m_tiles(rows: int, experts: int,
 
 
 def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_row: int = 1,
-                    route_ids=None) -> None:
+                    route_ids=None) -> bool:
     """One grouped launch. ``C`` is ``[R, N]``; without ``row_ids`` A has the same
     R rows, with it sorted row g is row ``row_ids[g]`` of C and
     ``row_ids[g] // ids_per_row`` of A (moe_linear). With ``route_ids`` (R int32
@@ -378,7 +385,9 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     pairs itself (moe_linear with few pairs). Up to _LATENCY_MOE_MAX_CTAS
     (rows x row tiles) without ``row_ids`` the latency kernel runs, a CTA per
     (row, row tile). The launch is planned once per (rows, dtype, routing
-    form, device, stream); a call sets its pointers."""
+    form, device, stream); a call sets its pointers. Returns False, launching
+    nothing, where ``route_ids`` is given and the ids and order would not fit
+    the shared memory beside the preferred problem size (route them first)."""
     stream = _launch.current_stream_ptr()
     key = (C.shape[0], A.dtype, route_ids is not None, ids_per_row, row_ids is not None,
            _launch.current_device(), stream,
@@ -396,12 +405,18 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
                 except ValueError:  # a row of A longer than its shared memory holds
                     found = None
             if found is None:
-                found = _GroupedRun(_grouped_launch(experts, A.dtype, C.shape[0],
-                                                    route_ids is not None, ids_per_row, stream))
+                try:
+                    found = _GroupedRun(_grouped_launch(experts, A.dtype, C.shape[0],
+                                                        route_ids is not None, ids_per_row, stream))
+                except _RoutedTablesDoNotFit:
+                    found = False  # (remembered: _fast_launch finds no plan and takes this path)
         experts._plans[key] = found
         _remember_cupy()
+    if not found:
+        return False
     found(A.data.ptr, C.data.ptr, _launch.device_pointer(offsets), _launch.device_pointer(row_ids),
           _launch.device_pointer(route_ids), stream)
+    return True
 
 
 # gemm_mma.cu's arguments A, C, group_offsets, row_ids, route_ids; the same
@@ -469,7 +484,7 @@ def _fast_launch(experts: KbitExperts, A, rows: int, routed: bool, ids_per_row: 
     stream = _get_current_stream()
     run = experts._plans.get((rows, dtype, routed, ids_per_row, False, dev, stream.ptr,
                               threading.get_ident()))
-    if run is None:
+    if not run:  # none yet, or routed ids that route in their own launch (False)
         return None
     if out is None:
         C = _launch.empty(out_shape, dtype, math.prod(out_shape) * dtype.itemsize, stream)
@@ -562,7 +577,7 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     wg = _grouped_wgmma(T, E)
-    choices = _jit.gemm_grouped_wg_m_tiles(experts.k)
+    choices = first_choices = _jit.gemm_grouped_wg_m_tiles(experts.k)
     limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     while True:
         if wg:  # problems of 16 to 128 rows: wgmma's N
@@ -587,8 +602,11 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
                                    m_tiles, 1, wgs, True)
             table = _jit.gemm_prmt_table_bytes(experts.k, m_tiles, wgs, True, 4)
         shared += table
+        fits = kern.shared_size_bytes + shared <= limit
+        if routed and not fits and choices == first_choices:
+            raise _RoutedTablesDoNotFit(f"{2 * T * 4} bytes of routed ids and order")
         smaller = tuple(t for t in choices if t < m_tiles)
-        if not wg or kern.shared_size_bytes + shared <= limit or not smaller:
+        if not wg or fits or not smaller:
             break
         choices = smaller  # 128-row stages with k=4's pair table and many experts: smaller problems
     warps = 4 * wgs if wg else _GROUPED_WIDE_WARPS if wide else _WARPS
@@ -713,8 +731,9 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     with ``validate=False`` there is no host round trip: the fewest pairs
     (``T * top_k`` times the row tiles of an expert up to 1024) one launch
     of the latency kernel, one CTA per (pair, row tile), no grouping; up to
-    256 pairs one launch, in which every CTA of the ``kbit_grouped_gemm``
-    kernel groups the pairs by expert itself; beyond that two launches, one
+    4096 pairs one launch, in which every CTA of the ``kbit_grouped_gemm``
+    kernel groups the pairs by expert itself (where their ids and order fit
+    its shared memory); beyond that two launches, one
     grouping them (``kernels_src/moe_route.cu``, a stable counting sort) and
     the grouped one; ids wider than int32 add one conversion launch. Either
     way the rows of x and out are read and written in place through the
@@ -769,9 +788,10 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     if x.data.ptr % 16:
         x = x.copy()
     rows = C.reshape(T * top_k, N)
-    if T * top_k <= _FUSED_ROUTE_MAX_PAIRS:  # one launch: each CTA groups the pairs itself
-        _launch_grouped(x, experts, None, rows, None, top_k, route_ids=_ids_int32(topk_ids, E))
-    else:
+    # one launch, each CTA grouping the pairs itself, where they fit its shared memory
+    in_launch = T * top_k <= _FUSED_ROUTE_MAX_PAIRS and _launch_grouped(
+        x, experts, None, rows, None, top_k, route_ids=_ids_int32(topk_ids, E))
+    if not in_launch:
         with _launch.setup_scope():  # compiles the routing kernel once, outside a capture
             _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)
         offsets, order = route_pairs(topk_ids, E)

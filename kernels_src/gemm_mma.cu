@@ -427,6 +427,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   int* route_id = row_start + experts + 1;
   int* route_order = route_id + (route_ids ? M : 0);
   const int problem_groups = (row_tiles + warps * RPW - 1) / (warps * RPW);
+  __shared__ int warp_sums[GROUPED ? 32 : 1];  // (grouped: cta_exclusive_scan's)
   if constexpr (GROUPED) {
     // route_ids (moe_linear with few pairs): each CTA counts the pairs per
     // expert itself (integer shared atomics: order-free) instead of reading
@@ -456,7 +457,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       mine = min(mine + problems(rows_of(e)), rem);
       mine_rows += route_ids ? rows_of(e) : 0;
     }
-    __shared__ int warp_sums[32];
     int before = min(cta_exclusive_scan(mine, warp_sums), rem);
     int rows_before = 0;
     if (route_ids) {
@@ -475,18 +475,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       row_start[experts] = route_ids ? rows_before : clamped(experts);
     }
     __syncthreads();
-    if (route_ids) {
-      // Pair i's row: its expert's first row plus the pairs before it with the
-      // same expert (a stable sort; the host keeps M small: O(M^2) compares).
-      for (int i = threadIdx.x; i < M; i += blockDim.x) {
-        const int e = route_id[i];
-        if (e < 0 || e >= experts) continue;
-        int rank = 0;
-        for (int j = 0; j < i; ++j) rank += route_id[j] == e;
-        route_order[row_start[e] + rank] = i;
-      }
-      __syncthreads();
-    }
     const int groups = tile_cum[experts] * problem_groups;
     const int units = groups * k_tiles;  // < 2^31: experts.py
     // CTAs used: all (stream-K), or one per group when that leaves the
@@ -507,6 +495,40 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Grouped: CTAs past the ones used have no units.
   const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
   const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
+  if constexpr (GROUPED) {
+    if (route_ids && u_begin < u_end) {  // (CTA-uniform)
+      // The sorted rows of the problems this CTA's units touch (problems p_first
+      // .. p_last, whose rows are consecutive): pair i of expert e is sorted row
+      // row_start[e] + the pairs before i with expert e, a stable sort (the
+      // same order as moe_route.cu's). One block-wide count per problem over
+      // the staged ids: thread t counts its slice of them, an exclusive scan
+      // gives each slice its rank, and the slices that hold the problem's
+      // rows place them.
+      const int p_first = u_begin / group_units / problem_groups;
+      const int p_last = (u_end - 1) / group_units / problem_groups;
+      const int slice = (M + blockDim.x - 1) / blockDim.x;
+      const int i0 = min(M, (int)threadIdx.x * slice), i1 = min(M, i0 + slice);
+      for (int p = p_first; p <= p_last; ++p) {
+        int e = 0, hi = experts;  // the last e with tile_cum[e] <= p, as in locate()
+        while (hi - e > 1) {
+          const int mid = (e + hi) >> 1;
+          if (tile_cum[mid] <= p) e = mid; else hi = mid;
+        }
+        const int r0 = (p - tile_cum[e]) * 8 * M_TILES, r1 = r0 + 8 * M_TILES;
+        int mine = 0;
+        for (int i = i0; i < i1; ++i) mine += route_id[i] == e;
+        int rank = cta_exclusive_scan(mine, warp_sums);
+        if (rank < r1 && rank + mine > r0) {
+          for (int i = i0; i < i1; ++i) {
+            if (route_id[i] != e) continue;
+            if (rank >= r0 && rank < r1) route_order[row_start[e] + rank] = i;
+            ++rank;
+          }
+        }
+        __syncthreads();  // warp_sums read before the next scan writes it; the rows placed
+      }
+    }
+  }
   // The CTA whose range holds unit v (ranges are never empty: ctas <= units;
   // grouped launches may have empty ones at the end, which hold no unit).
   auto cta_of = [&](int v) {

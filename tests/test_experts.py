@@ -334,6 +334,51 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
 
 
 @gpu_test
+@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("E, N, K_dim, T, top_k", [
+    (16, 300, 288, 130, 8),    # 1040 pairs, 65 rows per expert: several problems each
+    (128, 100, 256, 512, 8),   # 4096 pairs (the cap), 32 rows per expert
+    (8, 96, 512, 300, 2),      # 75 rows per expert, 8 experts
+    (512, 40, 1024, 200, 10),  # 2000 pairs over 512 experts: a CTA's units span many problems
+])
+def test_gpu_moe_linear_routing_inside_the_launch_matches_the_routing_launch(
+        E, N, K_dim, T, top_k, dtype, wg, monkeypatch):
+    """Up to _FUSED_ROUTE_MAX_PAIRS pairs every CTA of the grouped launch
+    places the rows of the problems it works on itself: the same bits as
+    with the routing launch (moe_route.cu's stable order), ids outside
+    [0, E) (validate=False) leaving only their own rows unwritten, within
+    the bounds of the reference."""
+    import cupy as cp
+
+    from kbit_cupy import experts as experts_module
+    from kbit_cupy.gemm import has_wgmma
+
+    if wg and not has_wgmma():
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    monkeypatch.setattr(experts_module, "_GROUPED_WG", wg)
+    monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", False)  # the grouped launch
+    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 0)
+    ex, x, ids = _device_case(E, N, K_dim, T, top_k, 4, dtype, seed=E + T)
+    bad = ids.copy()
+    bad[0, 0], bad[T // 2, top_k - 1] = E, -1  # no rows
+    got = {}
+    for cap in (T * top_k, 0):  # in the launch, then through the routing launch
+        monkeypatch.setattr(experts_module, "_FUSED_ROUTE_MAX_PAIRS", cap)
+        out = cp.full((T, top_k, N), np.nan, dtype=dtype)
+        got[cap] = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(bad), ex, out=out,
+                                         validate=False))
+        if cap:  # the routed plan is a launch (not False: routed in their own launch)
+            assert any(key[2] and run for key, run in ex._plans.items())
+    assert np.array_equal(got[T * top_k].view(np.uint16), got[0].view(np.uint16))
+    written = np.ones((T, top_k), bool)
+    written[0, 0] = written[T // 2, top_k - 1] = False
+    assert np.isnan(got[0][~written].astype(np.float32)).all()
+    assert not np.isnan(got[0][written].astype(np.float32)).any()
+    assert rel_error(got[0][written], reference(x, ids, ex)[written]) <= BOUNDS[np.dtype(dtype)]
+
+
+@gpu_test
 @pytest.mark.parametrize("routing", ["in_launch", "routing_launch"])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("E, N, K_dim, T, top_k", [
