@@ -151,6 +151,25 @@ def _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng):
     _time_and_print(T, ops)
 
 
+def _holding(values: dict, fn):
+    """fn() with each ``module.ATTR`` of ``values`` (modules of kbit_cupy) set
+    to its value as an int, restored after (no cache is cleared: the plans
+    were made under the same values)."""
+    import importlib
+
+    saved = []
+    try:
+        for name, value in values.items():
+            mod_name, attr = name.rsplit(".", 1)
+            mod = importlib.import_module(f"kbit_cupy.{mod_name}")
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, int(value))
+        return fn()
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
 def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
     """kbit_grouped_gemm and moe_linear with the default kernels and with the
     kernels compiled with -D``define``, each plan made on the timing stream
@@ -175,10 +194,13 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
         w._plans = {}
         C = cp.empty((T * top_k, N), cp.float16)
         out3 = cp.empty((T, top_k, N), cp.float16)
-        pair = {f"grouped {label}": lambda w=w, C=C: kbit_grouped_gemm(A_sorted, w, offsets, out=C,
-                                                                        validate=False),
-                f"moe_linear {label}": lambda w=w, out3=out3: moe_linear(x, ids, w, out=out3,
-                                                                         validate=False)}
+        held = {} if label == "default" else attrs
+        # (a module attribute read at call time, such as experts._FUSED_ROUTE_MAX_PAIRS,
+        # is held through every call of the variant's ops, captures included)
+        pair = {f"grouped {label}": lambda w=w, C=C, held=held: _holding(held, lambda: kbit_grouped_gemm(
+                    A_sorted, w, offsets, out=C, validate=False)),
+                f"moe_linear {label}": lambda w=w, out3=out3, held=held: _holding(held, lambda: moe_linear(
+                    x, ids, w, out=out3, validate=False))}
         with (kernels_built_with(opts), module_attributes({} if label == "default" else attrs),
               harness._bench_stream()):
             for name, op in pair.items():  # plans are per stream: made here, with these kernels
