@@ -337,14 +337,14 @@ def test_gpu_grouped_launch_on_both_paths(E, N, K_dim, T, top_k, k, dtype, wg, m
 @pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("E, N, K_dim, T, top_k, hopper_in_launch", [
+    (16, 300, 288, 130, 8, True),    # 1040 pairs, 65 rows per expert: 64-row problems, two each
     (128, 100, 256, 512, 8, True),   # 4096 pairs (the cap), 32 rows per expert
     (8, 96, 512, 200, 2, True),      # 50 rows per expert, 8 experts
     (512, 40, 1024, 200, 10, True),  # 2000 pairs over 512 experts: a CTA's units span many problems
-    # 65 and 75 rows per expert: 128-row problems, whose three stages and
-    # k = 4's pair table leave too little shared memory for 1040 or 600
-    # routed pairs on the Hopper path, which then routes in its own launch
-    # (mma.sync: problems of 32 rows, several an expert, in the launch)
-    (16, 300, 288, 130, 8, False),
+    # 75 rows per expert: 128-row problems, whose three stages and k = 4's
+    # pair table leave too little shared memory for 600 routed pairs on the
+    # Hopper path, which then routes in its own launch (mma.sync: problems of
+    # 32 rows, several an expert, in the launch)
     (8, 96, 512, 300, 2, False),
 ])
 def test_gpu_moe_linear_routing_inside_the_launch_matches_the_routing_launch(
