@@ -301,6 +301,41 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 // row_ids (optional) maps sorted rows to rows of C and, divided by
 // ids_per_row, of A. route_ids (optional, instead of group_offsets and
 // row_ids): the router's M expert ids; every CTA groups them itself (below).
+// Grouped launch with routed ids (moe_linear): the sorted rows of problems
+// p_first .. p_last (consecutive rows), of rows_per_problem rows each. Pair i
+// of expert e is sorted row row_start[e] + the pairs before i with expert e,
+// a stable sort (moe_route.cu's order). One block-wide count per problem over
+// the ids staged in shared memory: thread t counts its slice of them, an
+// exclusive scan gives each slice its rank, and the slices that hold the
+// problem's rows place them. Not inlined: inlined, the kernel's k = 5 variant
+// with fp16 scales at 4 n8 tiles and four warpgroups spilled 24 bytes.
+__device__ __noinline__ void place_routed_rows(const int* route_id, int* route_order,
+                                               const int* tile_cum, const int* row_start,
+                                               int* warp_sums, int M, int experts, int p_first,
+                                               int p_last, int rows_per_problem) {
+  const int slice = (M + blockDim.x - 1) / blockDim.x;
+  const int i0 = min(M, (int)threadIdx.x * slice), i1 = min(M, i0 + slice);
+  for (int p = p_first; p <= p_last; ++p) {
+    int e = 0, hi = experts;  // the last e with tile_cum[e] <= p, as the kernel's locate()
+    while (hi - e > 1) {
+      const int mid = (e + hi) >> 1;
+      if (tile_cum[mid] <= p) e = mid; else hi = mid;
+    }
+    const int r0 = (p - tile_cum[e]) * rows_per_problem, r1 = r0 + rows_per_problem;
+    int mine = 0;
+    for (int i = i0; i < i1; ++i) mine += route_id[i] == e;
+    int rank = cta_exclusive_scan(mine, warp_sums);
+    if (rank < r1 && rank + mine > r0) {
+      for (int i = i0; i < i1; ++i) {
+        if (route_id[i] != e) continue;
+        if (rank >= r0 && rank < r1) route_order[row_start[e] + rank] = i;
+        ++rank;
+      }
+    }
+    __syncthreads();  // warp_sums read before the next scan writes it; the rows placed
+  }
+}
+
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
           bool GROUPED = false, int WARPS = 4>
 __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 32 * WARPS,
@@ -496,38 +531,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
   const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
   if constexpr (GROUPED) {
-    if (route_ids && u_begin < u_end) {  // (CTA-uniform)
-      // The sorted rows of the problems this CTA's units touch (problems p_first
-      // .. p_last, whose rows are consecutive): pair i of expert e is sorted row
-      // row_start[e] + the pairs before i with expert e, a stable sort (the
-      // same order as moe_route.cu's). One block-wide count per problem over
-      // the staged ids: thread t counts its slice of them, an exclusive scan
-      // gives each slice its rank, and the slices that hold the problem's
-      // rows place them.
-      const int p_first = u_begin / group_units / problem_groups;
-      const int p_last = (u_end - 1) / group_units / problem_groups;
-      const int slice = (M + blockDim.x - 1) / blockDim.x;
-      const int i0 = min(M, (int)threadIdx.x * slice), i1 = min(M, i0 + slice);
-      for (int p = p_first; p <= p_last; ++p) {
-        int e = 0, hi = experts;  // the last e with tile_cum[e] <= p, as in locate()
-        while (hi - e > 1) {
-          const int mid = (e + hi) >> 1;
-          if (tile_cum[mid] <= p) e = mid; else hi = mid;
-        }
-        const int r0 = (p - tile_cum[e]) * 8 * M_TILES, r1 = r0 + 8 * M_TILES;
-        int mine = 0;
-        for (int i = i0; i < i1; ++i) mine += route_id[i] == e;
-        int rank = cta_exclusive_scan(mine, warp_sums);
-        if (rank < r1 && rank + mine > r0) {
-          for (int i = i0; i < i1; ++i) {
-            if (route_id[i] != e) continue;
-            if (rank >= r0 && rank < r1) route_order[row_start[e] + rank] = i;
-            ++rank;
-          }
-        }
-        __syncthreads();  // warp_sums read before the next scan writes it; the rows placed
-      }
-    }
+    if (route_ids && u_begin < u_end)  // (CTA-uniform)
+      place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
+                        u_begin / group_units / problem_groups,
+                        (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
   }
   // The CTA whose range holds unit v (ranges are never empty: ctas <= units;
   // grouped launches may have empty ones at the end, which hold no unit).
