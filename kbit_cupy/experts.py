@@ -59,7 +59,6 @@ class _RoutedTablesDoNotFit(ValueError):
     memory with the routed ids and order (moe_linear routes in its own launch)."""
 
 
-
 def _check_device(name: str, arr) -> None:
     """A CuPy input must live on the current device (where the kernels run)."""
     dev = _launch.current_device()

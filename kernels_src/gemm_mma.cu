@@ -291,16 +291,6 @@ __device__ __forceinline__ void mma_phase_after(int point, unsigned dep) {
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
-// RPW: row tiles per warp. With many n8 tiles the activation fragments
-// (shared-memory reads) dominate, so on layers with enough row tiles a warp
-// reuses each one for two row tiles (gemm.py chooses).
-// WG > 0: the Hopper path (see the header; sm_90a only) with WG warpgroups
-// per CTA, RPW = 1, the staged activations in wgmma's layout. WG = 0: mma.sync, WARPS warps.
-// GROUPED: the grouped launch (see the header); M is then the rows of C, q
-// the GPU's SM count, rem the most problems the host allows for, group_offsets holds experts + 1 row offsets, and
-// row_ids (optional) maps sorted rows to rows of C and, divided by
-// ids_per_row, of A. route_ids (optional, instead of group_offsets and
-// row_ids): the router's M expert ids; every CTA groups them itself (below).
 // Grouped launch with routed ids (moe_linear): the sorted rows of problems
 // p_first .. p_last (consecutive rows), of rows_per_problem rows each. Pair i
 // of expert e is sorted row row_start[e] + the pairs before i with expert e,
@@ -336,6 +326,16 @@ __device__ __noinline__ void place_routed_rows(const int* route_id, int* route_o
   }
 }
 
+// RPW: row tiles per warp. With many n8 tiles the activation fragments
+// (shared-memory reads) dominate, so on layers with enough row tiles a warp
+// reuses each one for two row tiles (gemm.py chooses).
+// WG > 0: the Hopper path (see the header; sm_90a only) with WG warpgroups
+// per CTA, RPW = 1, the staged activations in wgmma's layout. WG = 0: mma.sync, WARPS warps.
+// GROUPED: the grouped launch (see the header); M is then the rows of C, q
+// the GPU's SM count, rem the most problems the host allows for, group_offsets holds experts + 1 row offsets, and
+// row_ids (optional) maps sorted rows to rows of C and, divided by
+// ids_per_row, of A. route_ids (optional, instead of group_offsets and
+// row_ids): the router's M expert ids; every CTA groups them itself (below).
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
           bool GROUPED = false, int WARPS = 4>
 __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 32 * WARPS,
