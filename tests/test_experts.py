@@ -746,7 +746,7 @@ def test_gpu_wide_ids_outside_the_range_do_not_wrap_into_it():
 @pytest.mark.parametrize("T, top_k, E", [(1, 8, 128), (32, 8, 64), (25, 10, 512)])
 def test_gpu_routing_inside_the_launch_gives_the_same_bits_as_the_routing_launch(
         T, top_k, E, monkeypatch):
-    """Up to 256 pairs every CTA groups them itself; both paths sort stably, so the
+    """Up to _FUSED_ROUTE_MAX_PAIRS pairs every CTA groups them itself; both paths sort stably, so the
     rows, the problems and the bits are the same. (The latency kernel, which
     takes the fewest pairs, is off here: its sums run in another order.)"""
     import cupy as cp
