@@ -342,7 +342,9 @@ def grouped_m_tiles(rows: int, experts: int, choices: tuple = _jit.GEMM_GROUPED_
 # rows per expert, 1.5 and 2.5 problems of 128 rows against 2.5 and 4.5 of 64:
 # 697.6 against 762.0 us and 1331.0 against 1506.4 (results/
 # moe_mtiles_ab_h100_dcaf825_m16.txt); 128 x [3072, 4096] at 32 rows, one
-# problem each: 834.5 against 557.7.
+# problem each: 834.5 against 557.7. 144 rows 2.13 and 160 rows 2.22 (two
+# stages): Mixtral at 96 rows per expert, one problem each, 567.0 and 587.7
+# against 532.0 us for 128 rows (results/moe_mtiles_ab_h100_mixtral_651af31.txt).
 _WG_PROBLEM_COST = {2: 0.90, 4: 1.0, 6: 1.09, 8: 1.31, 16: 2.0, 18: 2.13, 20: 2.22}
 
 
@@ -576,10 +578,10 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     wg = _grouped_wgmma(T, E)
-    choices = first_choices = _jit.gemm_grouped_wg_m_tiles(experts.k)
+    choices = _jit.gemm_grouped_wg_m_tiles(experts.k)
     limit = int(_attributes()["MaxSharedMemoryPerBlockOptin"])
     while True:
-        if wg:  # problems of 16 to 128 rows: wgmma's N
+        if wg:  # problems of 16 to 160 rows: wgmma's N
             m_tiles = grouped_wg_m_tiles(T, E, choices)
             wgs = _GROUPED_WG_WARPGROUPS or _jit.gemm_grouped_wg_warpgroups(m_tiles, experts.k)
         else:
@@ -602,8 +604,9 @@ def _grouped_launch(experts: KbitExperts, dtype, T: int, routed: bool, ids_per_r
             table = _jit.gemm_prmt_table_bytes(experts.k, m_tiles, wgs, True, 4)
         shared += table
         fits = kern.shared_size_bytes + shared <= limit
-        if routed and not fits and choices == first_choices:
-            raise _RoutedTablesDoNotFit(f"{2 * T * 4} bytes of routed ids and order")
+        if routed and not fits:  # (the preferred size: the first pass)
+            raise _RoutedTablesDoNotFit(
+                f"{8 * m_tiles}-row problems with {2 * T * 4} bytes of routed ids and order")
         smaller = tuple(t for t in choices if t < m_tiles)
         if not wg or fits or not smaller:
             break
@@ -788,8 +791,12 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
         x = x.copy()
     rows = C.reshape(T * top_k, N)
     # one launch, each CTA grouping the pairs itself, where they fit its shared memory
-    in_launch = T * top_k <= _FUSED_ROUTE_MAX_PAIRS and _launch_grouped(
-        x, experts, None, rows, None, top_k, route_ids=_ids_int32(topk_ids, E))
+    # (the ids converted once: route_pairs takes the int32 ids as they are)
+    if T * top_k <= _FUSED_ROUTE_MAX_PAIRS:
+        topk_ids = _ids_int32(topk_ids, E)
+        in_launch = _launch_grouped(x, experts, None, rows, None, top_k, route_ids=topk_ids)
+    else:
+        in_launch = False
     if not in_launch:
         with _launch.setup_scope():  # compiles the routing kernel once, outside a capture
             _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)

@@ -131,9 +131,11 @@ constexpr int kSlabMinTiles = 24;
 // 72-80 KB do not fit beside the decode tables). _jit.gemm_wg_stages mirrors it.
 // KBIT_WG_TWO_STAGES_FROM (A/B runs only; the host still sizes three stages
 // below 17 n8 tiles, which is more than two need): two stages from there.
+// Never above 17: the host sizes two stages from 17 n8 tiles.
 #ifndef KBIT_WG_TWO_STAGES_FROM
 #define KBIT_WG_TWO_STAGES_FROM 17
 #endif
+static_assert(KBIT_WG_TWO_STAGES_FROM <= 17, "the host sizes two stages from 17 n8 tiles");
 __host__ __device__ constexpr int gemm_wg_stages(int m_tiles) {
   return m_tiles >= KBIT_WG_TWO_STAGES_FROM ? 2 : 3;
 }
@@ -409,7 +411,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // WG with M_TILES >= kSlabMinTiles ("slab staging"): a stage is one 64-column
   // slab (a quarter K tile), kStages of them in a ring that a producer
   // warp fills (see below): a whole K tile of 256 rows would be 128 KB a
-  // stage. Otherwise a stage is a K tile (WG: three, mma: two).
+  // stage. Otherwise a stage is a K tile (WG: three, two past 16 n8 tiles;
+  // mma: two).
   constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? gemm_wg_stages(M_TILES) : 2;
   // WG with two stages (more than 16 n8 tiles below slab staging: the grouped
   // launch's 144- and 160-row problems, whose three stages would not fit):
@@ -464,9 +467,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   const int problem_groups = (row_tiles + warps * RPW - 1) / (warps * RPW);
   __shared__ int warp_sums[GROUPED ? 32 : 1];  // (grouped: cta_exclusive_scan's)
   if constexpr (GROUPED) {
-    // route_ids (moe_linear with few pairs): each CTA counts the pairs per
-    // expert itself (integer shared atomics: order-free) instead of reading
-    // group_offsets, which saves the routing launch.
+    // route_ids (moe_linear up to experts._FUSED_ROUTE_MAX_PAIRS pairs): each
+    // CTA counts the pairs per expert itself (integer shared atomics:
+    // order-free) instead of reading group_offsets, which saves the routing
+    // launch.
     if (route_ids) {
       for (int e = threadIdx.x; e <= experts; e += blockDim.x) tile_cum[e] = 0;
       __syncthreads();

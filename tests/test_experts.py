@@ -351,9 +351,12 @@ def test_gpu_moe_linear_routing_inside_the_launch_matches_the_routing_launch(
         E, N, K_dim, T, top_k, hopper_in_launch, dtype, wg, monkeypatch):
     """Up to _FUSED_ROUTE_MAX_PAIRS pairs every CTA of the grouped launch
     places the rows of the problems it works on itself, where the ids and
-    the order fit its shared memory: the same bits as with the routing
-    launch (moe_route.cu's stable order), ids outside [0, E) (validate=False)
-    leaving only their own rows unwritten, within the bounds of the reference."""
+    the order fit its shared memory: the same rows as the routing launch
+    (moe_route.cu's stable order), so here, where both launch as many CTAs,
+    the same bits; ids outside [0, E) (validate=False) leave only their own
+    rows unwritten; within the bounds of the reference. int32 ids take the
+    planned launch directly (_fast_launch), also where the plan says to
+    route in a launch of its own."""
     import cupy as cp
 
     from kbit_cupy import experts as experts_module
@@ -376,6 +379,11 @@ def test_gpu_moe_linear_routing_inside_the_launch_matches_the_routing_launch(
         if cap:  # the routed plan: a launch, or False (routed in their own launch)
             (routed,) = [run for key, run in ex._plans.items() if key[2]]
             assert bool(routed) == (hopper_in_launch or not wg)
+            ids32 = cp.asarray(np.where((bad >= 0) & (bad < E), bad, -1).astype(np.int32))
+            for _ in range(2):  # the second call: _fast_launch with the plan made
+                out = cp.full((T, top_k, N), np.nan, dtype=dtype)
+                again = cp.asnumpy(moe_linear(cp.asarray(x), ids32, ex, out=out, validate=False))
+                assert np.array_equal(again.view(np.uint16), got[cap].view(np.uint16))
     assert np.array_equal(got[T * top_k].view(np.uint16), got[0].view(np.uint16))
     written = np.ones((T, top_k), bool)
     written[0, 0] = written[T // 2, top_k - 1] = False

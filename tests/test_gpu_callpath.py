@@ -88,7 +88,7 @@ def _calls():
         return lambda: kc.quantize_kbit(X, k=4, validate=False)
     out["quantize_kbit(validate=False)"] = quant_setup
 
-    for T in (4, 64):
+    for T in (4, 64, 640):  # moe_linear at 640: 5120 pairs, past experts._FUSED_ROUTE_MAX_PAIRS
         def grouped_setup(T=T):
             ex = _experts()
             A = cp.asarray(rng.standard_normal((T, 512)).astype(np.float16))
@@ -100,7 +100,8 @@ def _calls():
         def moe_setup(T=T):
             ex = _experts()
             x = cp.asarray(rng.standard_normal((T, 512)).astype(np.float16))
-            ids = cp.asarray(rng.integers(0, 8, (T, 8)).astype(np.int64))  # T*8 > 256 at T=64
+            # T = 64: routed inside the grouped launch; 640: the routing launch first
+            ids = cp.asarray(rng.integers(0, 8, (T, 8)).astype(np.int64))
             C = cp.empty((T, 8, 256), cp.float16)
             return lambda: kc.moe_linear(x, ids, ex, out=C, validate=False)
         out[f"moe_linear[T={T}]"] = moe_setup
