@@ -46,11 +46,14 @@ def kernels_built_with(options):
 
 
 @contextlib.contextmanager
-def module_attributes(values: dict):
+def module_attributes(values: dict, clear: bool = True):
     """Inside: each ``module.ATTR`` of ``values`` (a module of kbit_cupy, e.g.
-    ``gemm._LATENCY_HALF_TILES``) set to its value as an int; restored on exit."""
+    ``gemm._LATENCY_HALF_TILES``) set to its value as an int; restored on exit.
+    ``clear``: empty the modules' functools caches on entry and exit (off
+    where the plans were made under the same values and must stay)."""
     saved = []
-    _clear_caches(values)
+    if clear:
+        _clear_caches(values)
     try:
         for name, value in values.items():
             mod_name, attr = name.rsplit(".", 1)
@@ -61,7 +64,8 @@ def module_attributes(values: dict):
     finally:
         for mod, attr, value in reversed(saved):
             setattr(mod, attr, value)
-        _clear_caches(values)
+        if clear:
+            _clear_caches(values)
 
 
 def _clear_caches(values: dict) -> None:

@@ -152,22 +152,12 @@ def _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng):
 
 
 def _holding(values: dict, fn):
-    """fn() with each ``module.ATTR`` of ``values`` (modules of kbit_cupy) set
-    to its value as an int, restored after (no cache is cleared: the plans
-    were made under the same values)."""
-    import importlib
+    """fn() with each ``module.ATTR`` of ``values`` set (define_ab.module_attributes,
+    no cache cleared: the plans were made under the same values)."""
+    from define_ab import module_attributes
 
-    saved = []
-    try:
-        for name, value in values.items():
-            mod_name, attr = name.rsplit(".", 1)
-            mod = importlib.import_module(f"kbit_cupy.{mod_name}")
-            saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, int(value))
+    with module_attributes(values, clear=False):
         return fn()
-    finally:
-        for mod, attr, value in reversed(saved):
-            setattr(mod, attr, value)
 
 
 def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
