@@ -104,11 +104,9 @@ def all_variants() -> list[Variant]:
                         for rpw in (1, 2) if m_tiles >= 4 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, rpw)))
                     if (k == 4 or (k == 2 and GEMM_K2_QUAD_TABLE)) and scale == "uint8":
-                        # 8 and 16 warps per CTA (gemm.py _mma_warps; k = 2 also two
-                        # row tiles a warp; 16: the table on a 64 KB boundary)
+                        # 8 warps per CTA (gemm.py _mma_warps; k = 2 also two row tiles a warp)
                         for rpw in (1, 2) if k == 2 else (1,):
-                            for warps in (8, 16):
-                                out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, warps)))
+                            out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8)))
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
@@ -157,16 +155,12 @@ GEMM_SLAB_PRMT_MAX_TILES = 0
 GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 8  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (k = 5's 128 KB table)
 GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
-# the 16-warp mma launch puts that table on the next 64 KB boundary of the
-# shared window past its stages (gemm_mma.cu kTable64): this much slack more
-TABLE64_SLACK_BYTES = 1 << 16
 BIG_PAIR_TABLE_BYTES = 1024 * 128  # k = 5's pair table: 1024 entries of 128 bytes
 
 
 def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: int) -> int:
     """Dynamic shared memory of gemm_mma.cu's decode table after the stages:
-    k = 4's PRMT-addressed pair table (kPrmtTable) with 8 or 16 warps (16: and
-    64 KB for its alignment, kTable64; k = 2's byte table the same), or on the
+    k = 4's PRMT-addressed pair table (kPrmtTable) with 8 warps, or on the
     Hopper path up to GEMM_GROUPED_WG_PRMT_MAX_TILES n8 tiles (grouped) or
     GEMM_DENSE_WG_PRMT_MAX_TILES (dense, below slab staging); k = 2's byte
     table where GEMM_K2_QUAD_TABLE (dense: the Hopper path's places and the
@@ -177,8 +171,6 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
     dense_wg = bool(wgs and not grouped and m_tiles < GEMM_SLAB_MIN_M_TILES
                     and (wgs != 1 or GEMM_WG1_TABLES >> k & 1))
     slab = bool(wgs and not grouped and m_tiles >= GEMM_SLAB_MIN_M_TILES)
-    if (k == 4 or (k == 2 and GEMM_K2_QUAD_TABLE)) and warps == 16 and not grouped and not wgs:
-        return PRMT_TABLE_BYTES + TABLE64_SLACK_BYTES
     if k == 4 and (warps == 8 or (grouped and wgs and m_tiles <= GEMM_GROUPED_WG_PRMT_MAX_TILES)
                    or (dense_wg and m_tiles <= GEMM_DENSE_WG_PRMT_MAX_TILES)
                    or (slab and m_tiles <= GEMM_SLAB_PRMT_MAX_TILES)):

@@ -1089,15 +1089,8 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
     if k == 3 and not (_K3_WIDE and K_dim >= _K2_WIDE_MIN_K_DIM):
         return _WARPS
     if has_wgmma() and _layer_class(N, K_dim, k, True) == "large":
-        return 16 if _TABLE64 and _WIDE_WARPS else _WIDE_WARPS
+        return _WIDE_WARPS
     return _WARPS
-
-
-# k = 2 and 4 where the 8-warp launch would run: 16 warps, one CTA per SM,
-# whose table sits on a 64 KB boundary of the shared window, so one PRMT
-# builds each lookup's address (gemm_mma.cu kTable64: 667 instead of 799
-# instructions per two K tiles at k = 4, sm_90a). 0: the 8-warp launch (A/B runs).
-_TABLE64 = 1
 
 
 _K2_WIDE_MIN_K_DIM = 8192  # k = 2's 8-warp launch from this K_dim (see _mma_warps)
@@ -1112,7 +1105,7 @@ def _k2_two_row_tiles(k: int, m_tiles: int, warps: int, rt_n: int) -> bool:
     tiles) 3.7 / 4.9 / 7.0% less time, H100 -0.3 / 0.9 / 4.9% and 3.2 / 3.9 /
     6.9%; 14336x4096 (256 row tiles) 12-13% more on both, 4096x28672 (4 warps)
     7-10% more on the H200."""
-    return bool(_K2_RPW2 and k == 2 and m_tiles == 1 and warps >= 8 and rt_n >= 2 * _sm_count())
+    return bool(_K2_RPW2 and k == 2 and m_tiles == 1 and warps == 8 and rt_n >= 2 * _sm_count())
 
 
 _K2_RPW2 = 1  # k = 2's two row tiles a warp where _k2_two_row_tiles says (0: never, A/B runs)

@@ -290,13 +290,6 @@ __device__ __forceinline__ void mma_phase_after(int point, unsigned dep) {
 #define KBIT_WG1_TABLES 0x10
 #endif
 
-// The 16-warp mma launch at k = 2 and 4 (kTable64 in the kernel) builds each
-// lookup's shared address with one PRMT (1; 0: the PRMT and an add of the
-// table's base, as the 8-warp launch, for A/B runs).
-#ifndef KBIT_TABLE64_PRMT
-#define KBIT_TABLE64_PRMT 1
-#endif
-
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
@@ -360,10 +353,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   static_assert(!GROUPED || (RPW == 1 && M_TILES < kSlabMinTiles),
                 "grouped: one row tile per warp, no slab staging");
   static_assert(WARPS == 4 || (WARPS == 8 && !WG && M_TILES == 1 && (RPW == 1 || (K == 2 && !GROUPED))) ||
-                    (WARPS == 16 && K == 5 && !GROUPED && !WG && M_TILES <= 2 && RPW == 1) ||
-                    (WARPS == 16 && (K == 2 || K == 4) && !GROUPED && !WG && M_TILES == 1),
+                    (WARPS == 16 && K == 5 && !GROUPED && !WG && M_TILES <= 2 && RPW == 1),
                 "8 warps: the mma.sync launch at one n8 tile (k = 2: one or two row tiles a "
-                "warp); 16: k = 5 at up to two n8 tiles, k = 2 and 4 at one (kTable64)");
+                "warp); 16: k = 5 at up to two n8 tiles");
   mma_phase(0);
   grid_dependency_sync();
   const unsigned long long l2_policy = weight_l2_policy();
@@ -445,12 +437,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // below) follows the stages, the grouped launch's tables follow it.
   constexpr bool kDenseWgTables = WG != 1 || ((KBIT_WG1_TABLES >> K) & 1);  // (above)
   constexpr bool kPrmtTable =
-      K == 4 && (WARPS >= 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
+      K == 4 && (WARPS == 8 || (WG && GROUPED && M_TILES <= kGroupedWgPrmtMaxTiles) ||
                  (WG && !GROUPED && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables) ||
                  (kSlab && M_TILES <= KBIT_SLAB_PRMT_MAX_TILES));
   constexpr bool kQuadTable =
       K == 2 && KBIT_K2_QUAD_TABLE && !GROUPED &&
-      ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables) || (!WG && WARPS >= 8));
+      ((WG && !kSlab && M_TILES <= kDenseWgPrmtMaxTiles && kDenseWgTables) || (!WG && WARPS == 8));
   // k = 5 with 16 warps (the mma launch at up to two n8 tiles, gemm._mma_warps)
   // and on the dense Hopper path up to KBIT_DENSE_WG_K5_TABLE_MAX_TILES n8
   // tiles (0: none; _jit mirrors it; at 8, 225 KB with three stages): the
@@ -465,19 +457,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                                           M_TILES <= KBIT_DENSE_WG_K5_TABLE_MAX_TILES && kDenseWgTables));
   // kPrmtTable: [256 entries][16]; with slab staging first, at the dynamic
   // shared memory's start, whose address is a constant (no register for it)
-  // k = 2 and 4 on the 16-warp mma launch (kTable64): the table at the next
-  // 64 KB boundary of the shared window past the stages (gemm.py adds 64 KB of
-  // slack), so that its address's upper half rides in the lane register of
-  // the PRMT that builds each lookup's address (tab_lane): no add of a base.
-  constexpr bool kTable64 = !WG && WARPS == 16 && (kPrmtTable || kQuadTable);
-  const unsigned tab64 =
-      kTable64 ? ((unsigned)__cvta_generic_to_shared(x_stage + kStages * kStageChunks) + 0xffffu) & ~0xffffu
-               : 0u;
-  // k = 4: lane l's offset 4l, k = 2 8l (the byte table's entries: 256 bytes)
-  const unsigned tab_lane = (K == 2 ? lane4 << 1 : lane4) | tab64;
-  uint4* const prmt_tab =
-      kTable64 ? x_stage + (tab64 - (unsigned)__cvta_generic_to_shared(x_stage)) / 16
-      : kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
+  uint4* const prmt_tab = kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
@@ -1396,25 +1376,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
             unsigned pair;
-            if constexpr (kQuadTable && kTable64 && KBIT_TABLE64_PRMT) {  // (as below)
-              if ((p & 1) == 0)
-                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
-                             : "=r"(quad.x), "=r"(quad.y)
-                             : "r"(__byte_perm(w[r][j], tab_lane,
-                                               0x7604u | (unsigned)((2 * h + (p >> 1)) << 4))));
-              pair = (p & 1) ? quad.y : quad.x;
-            } else if constexpr (kQuadTable) {  // pairs 2q, 2q + 1 of row half h: byte 2h + q of word j
+            if constexpr (kQuadTable) {  // pairs 2q, 2q + 1 of row half h: byte 2h + q of word j
               if ((p & 1) == 0) {
                 quad = *reinterpret_cast<const uint2*>(
                     reinterpret_cast<const char*>(prmt_tab) +
                     __byte_perm(w[r][j], lane4 << 1, 0x5504u | (unsigned)((2 * h + (p >> 1)) << 4)));
               }
               pair = (p & 1) ? quad.y : quad.x;
-            } else if constexpr (kPrmtTable && kTable64 && KBIT_TABLE64_PRMT) {
-              // the address whole from one PRMT: the lane's offset, byte p, the table's upper half
-              asm volatile("ld.shared.u32 %0, [%1];\n"
-                           : "=r"(pair)
-                           : "r"(__byte_perm(w[r][2 * j + h], tab_lane, 0x7604u | (unsigned)(p << 4))));
             } else if constexpr (kPrmtTable) {  // pair p of word 2j + h: its byte p
               pair = *reinterpret_cast<const unsigned*>(
                   reinterpret_cast<const char*>(prmt_tab) +

@@ -410,34 +410,31 @@ def test_wgmma_small_sweep_without_m_chunks(monkeypatch, dtype, k):
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_wide_mma_launch(monkeypatch, dtype, split, k):
+def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
     """k = 4 (and k = 2 with its byte table, _jit.GEMM_K2_QUAD_TABLE, where
     K_dim >= 8192; with two row tiles a warp on wide_n), E4M4, M <= 8 on a
-    large layer: 16 warps per CTA and the table on a 64 KB boundary (gemm.py
-    _mma_warps, _TABLE64), and 8 warps (_TABLE64 = 0), over row tiles that
-    leave the last group short (3 row tiles, 1025, 66), under both work
-    splits; exact to the reference, every element written, the same bits
+    large layer: 8 warps per CTA (gemm.py _mma_warps) over row
+    tiles that leave the last group short (3 row tiles, 1025, 66), under both
+    work splits; exact to the reference, every element written, the same bits
     again, and the 4-warp launch of the same call just as close to the
     reference."""
     import cupy as cp
 
     from kbit_cupy import _jit, gemm
 
-    needs_kernel("wgmma")  # the wide launches are taken on sm_90 only
+    needs_kernel("wgmma")  # the 8-warp launch is taken on sm_90 only
     monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     wide_n = 32 * sms + 80  # 2 x SMs + 5 row tiles: k = 2 two row tiles a warp
     for M, N, K_dim in [(1, 40, 8192), (3, 16400, 256), (8, 1040, 8448), (5, 40, 16384),
                         (4, wide_n, 8192)]:
         wide = k == 4 or (_jit.GEMM_K2_QUAD_TABLE and K_dim >= gemm._K2_WIDE_MIN_K_DIM)
-        for table64, warps in ((1, 16), (0, 8)):
-            monkeypatch.setattr(gemm, "_TABLE64", table64)
-            assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == (warps if wide else 4), (N, K_dim)
-            two = gemm._k2_two_row_tiles(k, 1, warps if wide else 4, (N + 15) // 16)
-            assert two == (k == 2 and N == wide_n and bool(gemm._K2_RPW2)), (k, N, K_dim)
-            w, A, C = run_case(M, N, K_dim, k, dtype, "mma", seed=N)
-            again = kbit_gemm(cp.asarray(A), w, kernel="mma")
-            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim, warps)
+        assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == (8 if wide else 4), (N, K_dim)
+        two = gemm._k2_two_row_tiles(k, 1, 8 if wide else 4, (N + 15) // 16)
+        assert two == (k == 2 and N == wide_n and bool(gemm._K2_RPW2)), (k, N, K_dim)
+        w, A, C = run_case(M, N, K_dim, k, dtype, "mma", seed=N)
+        again = kbit_gemm(cp.asarray(A), w, kernel="mma")
+        assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
         monkeypatch.setattr(gemm, "_WIDE_WARPS", 0)
         run_case(M, N, K_dim, k, dtype, "mma", seed=N)
         monkeypatch.setattr(gemm, "_WIDE_WARPS", 8)
