@@ -102,15 +102,6 @@ namespace kbit {
 #ifndef KBIT_SPLITK_RELEASE
 #define KBIT_SPLITK_RELEASE 1
 #endif
-// Per-warp activation stages (experiment, default 0): on the dense mma.sync
-// launch at one n8 tile where WARPS x M <= 8 (the stages' room), each warp
-// copies the K tile's M rows of A into its own two stages and waits for them
-// with __syncwarp instead of the CTA barrier per K tile, so the CTA's warps
-// do not wait for each other's weights. Lanes of rows past M read row 0
-// (finite values; their columns of C are never stored).
-#ifndef KBIT_WARP_STAGE
-#define KBIT_WARP_STAGE 0
-#endif
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* addr, int v) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(addr), "r"(v) : "memory");
@@ -680,21 +671,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kRowsPerThread = GROUPED ? (8 * M_TILES + kThreads / 32 - 1) / (kThreads / 32) : 1;
   int src_row[kRowsPerThread];
   int src_key0 = -1, src_key1 = -1;
-  constexpr bool kWarpStageOk = KBIT_WARP_STAGE && !WG && !GROUPED && M_TILES == 1;
-  const bool warp_stage = kWarpStageOk && WARPS * M <= 8;  // (M <= 8 here)
   auto load_x = [&](int kt_l, int buf, int from_row0, int from_rows) {
-    if (kWarpStageOk && warp_stage) {  // this warp's stage buf: rows 0 .. M - 1, 32 chunks each
-      const int col = kt_l * 256 + 8 * lane;
-      const bool valid = col < K_dim;
-      const unsigned base = (unsigned)__cvta_generic_to_shared(x_stage) + 16u * ((warp * 2 + buf) * M * 32);
-      for (int row = 0; row < M; ++row) {
-        const T* src = valid ? A + (long long)row * K_dim + col : A;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                         base + 16u * (row * 32 + (lane ^ (row & 7)))), "l"(src), "r"(valid ? 16 : 0));
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-      return;
-    }
     if constexpr (GROUPED) {
       // All 8 * M_TILES staged rows; row r of the problem is row
       // a_row(from_row0 + r) of A, those past from_rows zero-filled.
@@ -759,7 +736,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // columns of C they feed are never stored, but they are not left
     // uninitialised). Grouped launches zero-fill them in load_x, the tensor
     // copies of slab staging themselves.
-    const int rows_past = warp_stage ? 0 : 8 * M_TILES - min(M, 8 * M_TILES);
+    const int rows_past = 8 * M_TILES - min(M, 8 * M_TILES);
     for (int i = threadIdx.x; i < rows_past * 32; i += blockDim.x) {
       const int row = M + (i >> 5), c = i & 31;
 #pragma unroll
@@ -1299,10 +1276,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // 8(j >> 1) + ((4(j & 1) + (l >> 3)) ^ (l & 7)), so one address for even
     // and one for odd j, the rest immediate offsets.
     const int x_sw = (lane >> 3) ^ (lane & 7);
-    const unsigned x_even =
-        kWarpStageOk && warp_stage
-            ? x_base + ((warp * 2 + buf) * M + ((lane & 7) < M ? (lane & 7) : 0)) * 512 + x_sw * 16
-            : x_base + buf * (kStageChunks * 16) + (lane & 7) * 512 + x_sw * 16;
+    const unsigned x_even = x_base + buf * (kStageChunks * 16) + (lane & 7) * 512 + x_sw * 16;
     const unsigned x_odd = x_even + (x_sw & 4 ? -64 : 64);
     const bool in_seg = i + 1 < seg_n;
     const bool has_next = in_seg || seg_more;
@@ -1322,10 +1296,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     auto publish = [&]() {
       asm volatile("cp.async.wait_group 0;\n" ::);
       if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
-      if (kWarpStageOk && warp_stage)
-        __syncwarp();
-      else
-        __syncthreads();
+      __syncthreads();
       if (i == 0 && tiles_done == 0) {  // (stamped builds only)
         mma_phase(2);
         mma_phase_after(1, w[0][0]);
@@ -1540,7 +1511,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       raw_s[0][r] = raw_s[kSets - 1][r];
     }
   };
-  if (kWarpStageOk && warp_stage) __syncthreads();  // the tables (no CTA barrier per tile)
   while (u < u_end) {  // segments
     seg_kt0 = kt;
     seg_n = min(k_tiles, kt + (u_end - u)) - kt;
