@@ -1355,7 +1355,9 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     whole = chunks > 1 and splits == 1
     q_arg, rem_arg, slots = units // ctas, units % ctas, ctas
     tail = _dyn_tail(units, ctas) if not wg and warps >= 8 and splits == 0 and chunks == 1 else None
-    if tail:  # gemm_mma.cu's dynamic tail: its chunk counter and slot after the stages and table
+    # gemm_mma.cu's dynamic tail: its chunk slot, 16 bytes after the stages and
+    # table (opted in here; not where they would cost a CTA an SM)
+    if tail and launch_ctas_per_sm(kern, threads, shared + 16) == per_sm:
         q_arg, rem_arg, slots = tail
         shared += 16
     workspace = _workspace(4 if whole else 2 * slots * warps * per_warp * m_tiles * 32 * 4, stream)
