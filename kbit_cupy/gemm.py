@@ -1353,15 +1353,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     # group); none where every CTA runs whole groups (slab chunks at one
     # segment a group: 2 x 128 KB a CTA would be gigabytes there)
     whole = chunks > 1 and splits == 1
-    q_arg, rem_arg, slots = units // ctas, units % ctas, ctas
-    tail = _dyn_tail(units, ctas) if not wg and warps >= 8 and splits == 0 and chunks == 1 else None
-    # gemm_mma.cu's dynamic tail: its chunk slot, 16 bytes after the stages and
-    # table (opted in here; not where they would cost a CTA an SM)
-    if tail and launch_ctas_per_sm(kern, threads, shared + 16) == per_sm:
-        q_arg, rem_arg, slots = tail
-        shared += 16
-    workspace = _workspace(4 if whole else 2 * slots * warps * per_warp * m_tiles * 32 * 4, stream)
-    counters = _counters(rt_n * chunks + 2, stream)
+    workspace = _workspace(4 if whole else 2 * ctas * warps * per_warp * m_tiles * 32 * 4, stream)
+    counters = _counters(rt_n * chunks, stream)
     ctas //= chunks  # per chunk (grid z)
     units //= chunks
     # gemm_mma.cu: CTA (group, segment[, chunk])
@@ -1370,33 +1363,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     launch = _launch.Launch(
         kern, grid, (threads,), shared, _GEMM_ARG_TYPES,
         (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
-         q_arg, rem_arg, workspace, counters, 0, 0, 0, 1, 0, 0))
+         units // ctas, units % ctas, workspace, counters, 0, 0, 0, 1, 0, 0))
     return launch, map_tiles, _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
-
-
-# The dense mma launch's dynamic tail (gemm_mma.cu, the 8- and 16-warp launches
-# under stream-K): each CTA first runs a fixed range of (1 - _DYN_TAIL) / CTAs
-# of the units; the rest, in chunks of _DYN_CHUNK units, go to whichever CTA
-# is done first. The same bits whichever CTA runs a chunk. 0: off (A/B runs).
-_DYN_TAIL = 0.1
-_DYN_CHUNK = 2
-
-
-def _dyn_tail(units: int, ctas: int) -> tuple[int, int, int] | None:
-    """(q, rem, chunks) kernel arguments of the dynamic tail for ``units``
-    over ``ctas`` stream-K CTAs: q units each first, then tail chunks of dq
-    units (the first drem of them dq + 1), rem = -(drem << 16 | dq); chunks:
-    the CTAs' first ranges and the tail chunks (workspace slots: two each).
-    None where the tail would be empty or a CTA's first range under two units."""
-    if not _DYN_TAIL or ctas < 1:
-        return None
-    q = int(units * (1.0 - _DYN_TAIL)) // ctas
-    tail = units - q * ctas
-    dq = max(2, _DYN_CHUNK)
-    n_tail, drem = divmod(tail, dq)
-    if q < 2 or n_tail < 1 or drem > n_tail or dq >= 1 << 16 or drem >= 1 << 15:
-        return None
-    return q, -((drem << 16) | dq), ctas + n_tail
 
 
 # gemm_latency.cu stages the rows of A it multiplies, whole, in shared memory:

@@ -102,11 +102,6 @@ namespace kbit {
 #ifndef KBIT_SPLITK_RELEASE
 #define KBIT_SPLITK_RELEASE 1
 #endif
-// The dense mma launch's dynamic tail (host: rem < 0, gemm.py _DYN_TAIL; 0
-// here: never, for A/B runs). See "Work split" in the header.
-#ifndef KBIT_DYN_TAIL
-#define KBIT_DYN_TAIL 1
-#endif
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* addr, int v) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(addr), "r"(v) : "memory");
@@ -399,24 +394,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // whole split-K segments beat stream-K.
   // Grouped: q and rem come from the problem count (set below, before use).
   int grouped_q = 0, grouped_rem = 0, grouped_ctas = 0;
-  // Dynamic tail (the dense mma launch; the host passes rem = -(drem << 16 |
-  // dq)): CTA c's first range is units [c q, (c + 1) q) ("chunk" c); the
-  // units after the grid's q each are cut into tail chunks of dq units (the
-  // first drem of them one more), which the CTAs take in turn from a counter
-  // as they finish. Every chunk's boundaries, workspace slots and place in a
-  // group's sum are fixed, so the bits are the same whichever CTA takes it.
-  // (The 8- and 16-warp launches only: in the 4-warp ones at three to five
-  // CTAs an SM, its state spilled 48-136 bytes.)
-  constexpr bool kDynOk = !WG && !GROUPED && !kSlab && KBIT_DYN_TAIL && WARPS >= 8;
-  const bool dyn = kDynOk && rem < 0;
-  const int dyn_dq = dyn ? (-rem) & 0xffff : 1, dyn_drem = dyn ? (-rem) >> 16 : 0;
-  const int dyn_big = (int)gridDim.x * q;
   auto range_start = [&](int c) {
     if constexpr (GROUPED) return c * grouped_q + min(c, grouped_rem);
-    if (kDynOk && dyn) {
-      const int t = max(c - (int)gridDim.x, 0);
-      return c <= (int)gridDim.x ? c * q : dyn_big + t * dyn_dq + min(t, dyn_drem);
-    }
     return c * q + min(c, rem);
   };
   // Stream-K launches (CTAs, 1); split K launches (groups, splits), so
@@ -424,7 +403,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // group-fastest (measured 5% faster than segment-fastest). No integer
   // divisions on the way to the first load (each is a ~25-instruction chain).
   const bool split_k = gridDim.y > 1;
-  int cta = blockIdx.x * gridDim.y + blockIdx.y;  // (dyn: the current chunk)
+  const int cta = blockIdx.x * gridDim.y + blockIdx.y;
   // Grouped: the problems of expert e are problems tile_cum[e] ..
   // tile_cum[e + 1] - 1; row_start[e] is its first row of A (offsets clamped
   // to [0, M], so unchecked offsets never reach outside A or C).
@@ -554,7 +533,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   }
   // Grouped: CTAs past the ones used have no units.
   const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
-  int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
+  const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
   if constexpr (GROUPED) {
     if (route_ids && u_begin < u_end)  // (CTA-uniform)
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
@@ -564,11 +543,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // The CTA whose range holds unit v (ranges are never empty: ctas <= units;
   // grouped launches may have empty ones at the end, which hold no unit).
   auto cta_of = [&](int v) {
-    if (kDynOk && dyn && v >= dyn_big) {
-      const int w = v - dyn_big, wide = dyn_drem * (dyn_dq + 1);
-      return (int)gridDim.x + (w < wide ? w / (dyn_dq + 1) : dyn_drem + (w - wide) / dyn_dq);
-    }
-    if (kDynOk && dyn) return v / q;
     const int qq = GROUPED ? grouped_q : q, rr = GROUPED ? grouped_rem : rem;
     const int big = rr * (qq + 1);
     return v < big ? v / (qq + 1) : rr + (v - big) / qq;
@@ -622,23 +596,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   int u = u_begin, grp = split_k ? (int)blockIdx.x : u_begin / group_units;
   int kt = u_begin - grp * group_units;
   int seg_kt0 = 0, seg_n = 0, seg_buf0 = 0;
-  int seg_next_kt0 = 0;  // the next segment's first K tile (dyn: a chunk may start inside a group)
-  // Dynamic tail: nc is the current chunk's successor, nnc nc's (n_chunks:
-  // none), both published to the CTA through tile_cum[0] (not grouped: 16
-  // bytes of dynamic shared memory the host adds) by a barrier (the
-  // pre-loop one, then the barrier of each chunk's tile 1: the chunk's tile 0
-  // barrier lies between a publication's reads and the next one's write);
-  // thread 0 holds the pending fetch's result.
-  const int n_chunks =
-      kDynOk && dyn ? (int)gridDim.x + (((row_tiles + warps * RPW - 1) / (warps * RPW)) * group_units - dyn_big) / dyn_dq
-                    : 0;
-  int nc = n_chunks, nnc = n_chunks, fetched = 0, chunk_tile = 0;
-  bool pending = false;
-  auto fetch = [&]() {
-    if (threadIdx.x == 0) fetched = atomicAdd(counters + row_tiles, 1) + (int)gridDim.x;
-    pending = true;
-  };
-  if (kDynOk && dyn) fetch();
   int tiles_done = 0;  // K tiles of the segments before this one (slab staging)
   bool seg_more = false;
   int base[RPW], next_base[RPW];
@@ -1323,7 +1280,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     const unsigned x_odd = x_even + (x_sw & 4 ? -64 : 64);
     const bool in_seg = i + 1 < seg_n;
     const bool has_next = in_seg || seg_more;
-    const int next_kt = in_seg ? seg_kt0 + i + 1 : seg_next_kt0;
+    const int next_kt = in_seg ? seg_kt0 + i + 1 : 0;
     // One barrier per tile: it publishes this tile's activations (the only
     // copy group in flight) and marks every warp done with the stage the next
     // tile's copies overwrite: mma.sync, the previous tile's stage (its
@@ -1339,15 +1296,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     auto publish = [&]() {
       asm volatile("cp.async.wait_group 0;\n" ::);
       if constexpr (WG) fence_proxy_async();  // the tensor cores read what cp.async wrote
-      if (kDynOk && dyn && pending && chunk_tile == 1 && threadIdx.x == 0) tile_cum[0] = fetched;
       __syncthreads();
-      if (kDynOk && dyn) {
-        if (pending && chunk_tile == 1) {
-          nnc = tile_cum[0];
-          pending = false;
-        }
-        ++chunk_tile;
-      }
       if (i == 0 && tiles_done == 0) {  // (stamped builds only)
         mma_phase(2);
         mma_phase_after(1, w[0][0]);
@@ -1562,32 +1511,17 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       raw_s[0][r] = raw_s[kSets - 1][r];
     }
   };
-  if (kDynOk && dyn) {  // the first chunk's successor, to every thread
-    if (threadIdx.x == 0) tile_cum[0] = fetched;
-    __syncthreads();
-    nc = tile_cum[0];
-    pending = false;
-    if (nc < n_chunks) fetch();
-  }
   while (u < u_end) {  // segments
     seg_kt0 = kt;
     seg_n = min(k_tiles, kt + (u_end - u)) - kt;
     const int after = (grp + 1) * group_units;
     seg_more = after < u_end;
     if (GROUPED && seg_more) nxt = locate(grp + 1);
-    int nxt_grp = grp + 1;
-    seg_next_kt0 = 0;
-    if (kDynOk && dyn && !seg_more && nc < n_chunks) {  // the next chunk's first segment
-      const int v = range_start(nc);
-      nxt_grp = v / group_units;
-      seg_next_kt0 = v - nxt_grp * group_units;
-      seg_more = true;
-    }
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       base[r] = GROUPED ? cur.tile0 + row_tile(cur.gl, r) * k_tiles : row_tile(grp, r) * k_tiles;
       next_base[r] = GROUPED ? nxt.tile0 + row_tile(nxt.gl, r) * k_tiles
-                             : row_tile(nxt_grp, r) * k_tiles;
+                             : row_tile(grp + 1, r) * k_tiles;
     }
     zero_acc();
     if constexpr (!kCopy) {
@@ -1617,31 +1551,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     } else {
       seg_buf0 ^= seg_n & 1;
     }
-    if (kDynOk && dyn && after >= u_end && nc < n_chunks) {  // the next chunk
-      cta = nc;
-      u = range_start(cta);
-      u_end = range_start(cta + 1);
-      if (u_end - u < 2) __trap();  // (the host's tail chunks: two units at least)
-      grp = u / group_units;
-      kt = u - grp * group_units;
-      nc = nnc;
-      nnc = n_chunks;
-      chunk_tile = 0;
-      if (nc < n_chunks) fetch();
-    } else {
-      u = after;
-      ++grp;
-      kt = 0;
-    }
+    u = after;
+    ++grp;
+    kt = 0;
     cur = GROUPED ? nxt : locate(grp);  // not grouped: {grp, 0, 0, 0, M}
-  }
-  if (kDynOk && dyn && threadIdx.x == 0) {
-    // Every fetch of this CTA has returned (its results were published); the
-    // last CTA out resets the counters for the next launch.
-    if (atom_add_acq_rel_gpu(counters + row_tiles + 1, 1) == (int)gridDim.x - 1) {
-      counters[row_tiles] = 0;
-      counters[row_tiles + 1] = 0;
-    }
   }
   mma_phase(5);
 }

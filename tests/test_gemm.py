@@ -745,66 +745,6 @@ def test_work_split_covers_every_tile_once(groups, k_tiles, slots):
         assert sorted(parts) == [(c, 2 * c + (1 if range_start(c) < g_begin else 0)) for c in cs]
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.integers(1, 3000), st.integers(1, 300), st.integers(1, 600), st.sampled_from([0.05, 0.1, 0.3]),
-       st.integers(2, 5))
-def test_dynamic_tail_chunks(groups, k_tiles, ctas, share, dq):
-    # gemm_mma.cu's dynamic tail (stream-K, gemm._dyn_tail), mirrored: every
-    # unit in exactly one chunk, every chunk at least two units (the kernel
-    # traps otherwise), cta_of the inverse of range_start, and each group's
-    # partial segments in the workspace slots its reducing warp reads, in
-    # chunk order, whichever CTA ran each chunk.
-    from kbit_cupy import gemm
-
-    units = groups * k_tiles
-    ctas = min(ctas, units)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemm, "_DYN_TAIL", share)
-        mp.setattr(gemm, "_DYN_CHUNK", dq)
-        tail = gemm._dyn_tail(units, ctas)
-    if tail is None:
-        return
-    q, rem, n_chunks = tail
-    assert rem < 0
-    dq_, drem = (-rem) & 0xFFFF, (-rem) >> 16
-    big = ctas * q
-
-    def range_start(c):
-        t = max(c - ctas, 0)
-        return c * q if c <= ctas else big + t * dq_ + min(t, drem)
-
-    def cta_of(v):
-        if v < big:
-            return v // q
-        w, wide = v - big, drem * (dq_ + 1)
-        return ctas + (w // (dq_ + 1) if w < wide else drem + (w - wide) // dq_)
-
-    assert ctas + (units - big) // dq_ == n_chunks  # the kernel's count
-    assert range_start(n_chunks) == units
-    segs = []
-    for c in range(n_chunks):
-        u, u_end = range_start(c), range_start(c + 1)
-        assert u_end - u >= 2
-        assert all(cta_of(v) == c for v in range(u, u_end))
-        grp, kt = divmod(u, k_tiles)
-        while u < u_end:
-            n = min(k_tiles, kt + (u_end - u)) - kt
-            segs.append((c, grp, kt, kt + n, 2 * c + (1 if range_start(c) < grp * k_tiles else 0)))
-            u, grp, kt = (grp + 1) * k_tiles, grp + 1, 0
-    done = sorted((grp, kt) for _, grp, kt0, kt1, _ in segs for kt in range(kt0, kt1))
-    assert done == [(g, kt) for g in range(groups) for kt in range(k_tiles)]
-    partial = [s for s in segs if not (s[2] == 0 and s[3] == k_tiles)]
-    assert len({s[4] for s in partial}) == len(partial), "two segments share a workspace slot"
-    assert all(s[4] < 2 * n_chunks for s in partial)
-    by_group = {}
-    for c, grp, _, _, slot in partial:
-        by_group.setdefault(grp, []).append((c, slot))
-    for grp, parts in by_group.items():
-        g_begin = grp * k_tiles
-        cs = range(cta_of(g_begin), cta_of(g_begin + k_tiles - 1) + 1)
-        assert sorted(parts) == [(c, 2 * c + (1 if range_start(c) < g_begin else 0)) for c in cs]
-
-
 def test_tensor_map_encoder_is_optional(monkeypatch):
     # The wgmma kernel's 129..256-row launches need cuTensorMapEncodeTiled from
     # libcuda; where it cannot be loaded kbit_gemm falls back to 128-row

@@ -440,50 +440,6 @@ def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
         monkeypatch.setattr(gemm, "_WIDE_WARPS", 8)
 
 
-@pytest.mark.parametrize("k", [2, 4, 5])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_dynamic_tail(monkeypatch, dtype, k):
-    """The 8- and 16-warp mma launches under stream-K with the dynamic tail
-    (gemm._dyn_tail: the last tenth of the units in two-unit chunks that the
-    CTAs take from a counter): exact to the reference, every element written,
-    the same bits on every call (whichever CTA runs a chunk; the counter
-    reset by the last CTA out), in a CUDA graph too, and the launch without
-    the tail just as close."""
-    import cupy as cp
-
-    from kbit_cupy import gemm
-
-    needs_kernel("wgmma")  # the wide launches are taken on sm_90 only
-    monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6)
-    if k == 5:
-        monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
-    for M, N, K_dim in [(1, 16400, 8192), (3, 4100, 16384), (8, 33000, 8192)]:
-        units = -(-N // 16) // (16 if k == 5 else 8) * (K_dim // 256)
-        assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) >= 8, (k, N, K_dim)
-        w, A, C = run_case(M, N, K_dim, k, dtype, "mma", seed=N)
-        assert units > 2 * gemm._sm_count()  # (the tail has chunks: _dyn_tail)
-        A_dev = cp.asarray(A)
-        for _ in range(3):
-            again = kbit_gemm(A_dev, w, kernel="mma")
-            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-        out = cp.full_like(again, np.nan)
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            kbit_gemm(A_dev, w, kernel="mma", out=out)  # plans made outside the capture
-            graph = None
-            stream.begin_capture()
-            kbit_gemm(A_dev, w, kernel="mma", out=out)
-            graph = stream.end_capture()
-            for _ in range(2):
-                out.fill(np.nan)
-                graph.launch(stream)
-                stream.synchronize()
-                assert (out.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-        monkeypatch.setattr(gemm, "_DYN_TAIL", 0)
-        run_case(M, N, K_dim, k, dtype, "mma", seed=N)
-        monkeypatch.setattr(gemm, "_DYN_TAIL", 0.1)
-
-
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sixteen_warp_k5_launch(monkeypatch, dtype, split):
