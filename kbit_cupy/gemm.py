@@ -1144,31 +1144,21 @@ _WG_FILL = 1  # _wg_warpgroups' step down to one warpgroup (0: never, A/B runs)
 _WG_CLUSTER = 1
 
 
-# The same for the 8-warp mma.sync launch at one row tile a warp (0: never,
-# and its split K as before: A/B runs).
-_MMA_CLUSTER = 1
+def _wg_cluster_capable(wg: bool, wgs: int, threads: int) -> bool:
+    """Whether a Hopper-path launch can split K in clusters: one warpgroup a
+    CTA (no slab staging), on a GPU and driver that launch clusters. Its
+    split K then takes at most _jit.GEMM_MAX_CLUSTER_SPLITS segments (also
+    with _WG_CLUSTER off, so that A/B runs compare the same split)."""
+    return wg and wgs == 1 and threads == 128 and _launch.cluster_launch_supported()
 
 
-def _wg_cluster_capable(wg: bool, wgs: int, threads: int, per_warp: int = 1) -> bool:
-    """Whether a launch can split K in clusters: the Hopper path at one
-    warpgroup a CTA (no slab staging), or the 8-warp mma.sync launch at one
-    row tile a warp on sm_90 where _MMA_CLUSTER, on a GPU and driver that
-    launch clusters. Its split K then takes at most
-    _jit.GEMM_MAX_CLUSTER_SPLITS segments (also with _WG_CLUSTER off, so
-    that A/B runs compare the same split)."""
-    if not wg:
-        return (bool(_MMA_CLUSTER) and threads == 256 and per_warp == 1 and has_wgmma()
-                and _launch.cluster_launch_supported())
-    return wgs == 1 and threads == 128 and _launch.cluster_launch_supported()
-
-
-def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int, per_warp: int = 1) -> int:
-    """CTAs per cluster of a launch (the group's splits along grid y), or 0
-    for the workspace reduction (or no split): split K into 2..8 segments
-    (_jit.GEMM_MAX_CLUSTER_SPLITS) where _wg_cluster_capable."""
-    if not ((_WG_CLUSTER if wg else _MMA_CLUSTER) and 1 < splits <= _jit.GEMM_MAX_CLUSTER_SPLITS):
+def _wg_cluster_splits(wg: bool, wgs: int, splits: int, threads: int) -> int:
+    """CTAs per cluster of a Hopper-path launch (the group's splits along
+    grid y), or 0 for the workspace reduction (or no split): split K into
+    2..8 segments (_jit.GEMM_MAX_CLUSTER_SPLITS) where _wg_cluster_capable."""
+    if not (_WG_CLUSTER and 1 < splits <= _jit.GEMM_MAX_CLUSTER_SPLITS):
         return 0
-    return splits if _wg_cluster_capable(wg, wgs, threads, per_warp) else 0
+    return splits if _wg_cluster_capable(wg, wgs, threads) else 0
 
 
 # M chunks of the Hopper path (gemm_mma.cu, "M chunks"): on a small layer,
@@ -1334,7 +1324,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     # more went to the workspace (3072x1024 at M = 17..64, twelve splits of
     # one K tile; six of two in clusters are 1.46-1.63x faster on the H100:
     # results/ab_tree_h100_split_cap_c946539_vs_e7228f8.txt)
-    capable = _wg_cluster_capable(wg, wgs if wg else 0, threads, per_warp)
+    capable = _wg_cluster_capable(wg, wgs if wg else 0, threads)
     cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
     # M chunks: every chunk's groups count (each CTA one segment of one
     # chunk's group, so the kernel's per-chunk ranges are whole segments)
@@ -1350,7 +1340,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         # k = 4, one CTA per SM: 16 clusters of 8 took 8.3 us on the H200
         # against 6.6 us for one 128-row launch, results/define_ab_h200_m_chunks_28f41db.txt):
         # then at most splits - 1 segments.
-        cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads, per_warp)
+        cluster = _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
         resident = (_resident_clusters(kern, threads, shared, cluster)
                     if cluster and _CLUSTER_RESIDENCY else None)
         if resident is None or resident * cluster >= ctas:
@@ -1374,7 +1364,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         kern, grid, (threads,), shared, _GEMM_ARG_TYPES,
         (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, rt_n, kt_n, group_units,
          units // ctas, units % ctas, workspace, counters, 0, 0, 0, 1, 0, 0))
-    return launch, map_tiles, _wg_cluster_splits(wg, wgs if wg else 0, splits, threads, per_warp)
+    return launch, map_tiles, _wg_cluster_splits(wg, wgs if wg else 0, splits, threads)
 
 
 # gemm_latency.cu stages the rows of A it multiplies, whole, in shared memory:

@@ -248,13 +248,8 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #define KBIT_FAST_STORE 1
 #endif
 
-// Split K in clusters (the Hopper path at one warpgroup, and with
-// KBIT_MMA_CLUSTER the 8-warp mma.sync launch at one row tile a warp; 0: the
-// workspace sum there, for A/B runs): splits per cluster at most (the
+// Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
-#ifndef KBIT_MMA_CLUSTER
-#define KBIT_MMA_CLUSTER 1
-#endif
 constexpr int kMaxClusterSplits = 8;
 
 // Phase stamps, for benchmarks/mma_phases.py only (it builds this file with
@@ -989,10 +984,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         for (int i = 0; i < 4; ++i) acc[0][mt][i] *= 16.0f;
     }
     const bool whole = seg_kt0 == 0 && seg_kt1 == k_tiles;
-    if constexpr ((WG == 1 || (!WG && WARPS == 8 && KBIT_MMA_CLUSTER)) && !GROUPED && !kSlab && RPW == 1) {
-      // Split K in a cluster (see the header): this CTA's only segment. (The
-      // 8-warp mma.sync launch the same: its accumulators are in the same
-      // per-warp order, its 8 KB of stages hold the 4 KB of partial tiles.)
+    if constexpr (WG == 1 && !GROUPED && !kSlab && RPW == 1) {
+      // Split K in a cluster (see the header): this CTA's only segment.
       if (split_k && cluster_ranks() > 1) {
         // The host launches clusters of (1, splits, 1): a group's splits, all of
         // them. Any other shape would sum the wrong partials (a host bug).
@@ -1020,20 +1013,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           // No element of this quad is stored: no remote load either (the
           // exit barrier relies on every remote load's value being used).
           if (n >= N || m >= M) continue;
-          // (mma.sync: four ranks' loads in flight at a time, one at k = 4,
-          // the same sums; two or more spilled 8 bytes there at 128 registers.)
-          constexpr int kBatch = WG ? kMaxClusterSplits : K == 4 ? 1 : 4;
+          float4 v[kMaxClusterSplits];
+#pragma unroll
+          for (int q = 0; q < kMaxClusterSplits; ++q)
+            if (q < ranks) v[q] = ld_cluster_f32x4(red_addr + 16u * i, q);
           float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-          for (int q0 = 0; q0 < kMaxClusterSplits; q0 += kBatch) {
-            float4 v[kBatch];
-#pragma unroll
-            for (int b = 0; b < kBatch; ++b)
-              if (q0 + b < ranks) v[b] = ld_cluster_f32x4(red_addr + 16u * i, q0 + b);
-#pragma unroll
-            for (int b = 0; b < kBatch; ++b)
-              if (q0 + b < ranks) add_f32x4(sum, v[b]);
-          }
+          for (int q = 0; q < kMaxClusterSplits; ++q)
+            if (q < ranks) add_f32x4(sum, v[q]);
           store_acc_quad(C, N, M, n, m, sum);  // stores element (n, m): uses every load
         }
         cluster_sync_exit();  // no CTA leaves while another reads its shared memory

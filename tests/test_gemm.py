@@ -548,18 +548,6 @@ def test_small_launches_take_one_warpgroup_and_clusters(monkeypatch):
     assert gemm._wg_cluster_splits(True, 1, 2, 128) == 2
     assert gemm._wg_cluster_splits(True, 1, 9, 128) == 0  # past the portable cluster size
     assert gemm._wg_cluster_splits(True, 1, 0, 128) == 0  # stream-K
-    # the 8-warp mma.sync launch at one row tile a warp, on sm_90 (_MMA_CLUSTER)
-    monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
-    assert gemm._wg_cluster_capable(False, 0, 256)
-    assert gemm._wg_cluster_splits(False, 0, 8, 256) == 8
-    assert not gemm._wg_cluster_capable(False, 0, 256, per_warp=2)  # k = 2's two row tiles
-    assert not gemm._wg_cluster_capable(False, 0, 128)  # 4 warps
-    monkeypatch.setattr(gemm, "_MMA_CLUSTER", 0)
-    assert not gemm._wg_cluster_capable(False, 0, 256)
-    assert gemm._wg_cluster_splits(False, 0, 8, 256) == 0
-    monkeypatch.setattr(gemm, "_MMA_CLUSTER", 1)
-    monkeypatch.setattr(gemm, "has_wgmma", lambda: False)
-    assert not gemm._wg_cluster_capable(False, 0, 256)  # sm_80: no clusters
     assert gemm._wg_cluster_splits(True, 1, 1, 128) == 0  # whole groups
     assert gemm._wg_cluster_splits(True, 4, 8, 512) == 0  # four warpgroups: the workspace
     assert gemm._wg_cluster_splits(False, 0, 8, 128) == 0  # mma.sync
