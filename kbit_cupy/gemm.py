@@ -1019,6 +1019,14 @@ _STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the l
 # unchanged (stream-K either way); on 4096x6144 (mid) split K in two lost
 # 2.5-6.7% to stream-K, so not there.
 _SLAB_STREAM_K_SLACK = 8.0
+# The same for the 8-warp mma.sync launch (k = 2 and 4 at one n8 tile on the
+# large layers, gemm._mma_warps). Against 0.5, in one process (H100, kernel
+# auto, results/define_ab_h100_stream_k_slack*_983e7f6.txt): 4096x28672 at k = 4,
+# M = 1 and 4, runs whole groups (224 CTAs of 16 K tiles, no partial tiles)
+# instead of stream-K (264 CTAs of 13.6 units), 7.8-8.9% less time; every
+# other layer there keeps its split. (2 for every launch instead lost 3-12%
+# elsewhere: 4096x14336 at M = 16, 4096x6144 at M = 64, k = 5 on 8192x57344.)
+_WIDE_STREAM_K_SLACK = 2.0
 
 
 @functools.cache  # pure
@@ -1329,7 +1337,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     # M chunks: every chunk's groups count (each CTA one segment of one
     # chunk's group, so the kernel's per-chunk ranges are whole segments)
     slack = (_SLAB_STREAM_K_SLACK if threads > warps * 32
-             and _layer_class(N, K_dim, weight.k, True) == "large" else None)
+             and _layer_class(N, K_dim, weight.k, True) == "large" else
+             _WIDE_STREAM_K_SLACK if not wg and warps == 8 else None)
     while True:
         group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
                                                 _sm_count(), cap, chunks > 1,

@@ -1014,6 +1014,18 @@ def test_eight_warp_rule_against_its_runs(monkeypatch, gpu):
     assert points >= 20, points
 
 
+def test_wide_stream_k_slack():
+    # The 8-warp mma launch's slack (gemm._WIDE_STREAM_K_SLACK): 4096x28672 at
+    # k = 4 (224 groups of 16 K tiles, 264 CTA slots on 132 SMs) runs whole
+    # groups, as measured faster; 8192x57344 (448 groups of 32) stays stream-K.
+    from kbit_cupy import gemm
+
+    slack = gemm._WIDE_STREAM_K_SLACK
+    assert gemm._work_split(224, 16, 264, 132, 0, False, slack) == (16, 224, 1)
+    assert gemm._work_split(224, 16, 264, 132, 0, False, 0.5) == (16, 264, 0)
+    assert gemm._work_split(448, 32, 264, 132, 0, False, slack)[2] == 0
+
+
 def test_eight_warp_rule(monkeypatch):
     from kbit_cupy import gemm
 
