@@ -1020,12 +1020,13 @@ _STREAM_K_SLACK = 0.5  # tiles a stream-K CTA pays for ending segments (in the l
 # 2.5-6.7% to stream-K, so not there.
 _SLAB_STREAM_K_SLACK = 8.0
 # The same for the 8-warp mma.sync launch (k = 2 and 4 at one n8 tile on the
-# large layers, gemm._mma_warps). Against 0.5, in one process (H100, kernel
-# auto, results/define_ab_h100_stream_k_slack*_983e7f6.txt): 4096x28672 at k = 4,
-# M = 1 and 4, runs whole groups (224 CTAs of 16 K tiles, no partial tiles)
-# instead of stream-K (264 CTAs of 13.6 units), 7.8-8.9% less time; every
-# other layer there keeps its split. (2 for every launch instead lost 3-12%
-# elsewhere: 4096x14336 at M = 16, 4096x6144 at M = 64, k = 5 on 8192x57344.)
+# large layers, gemm._mma_warps). Against 0.5, in one process, kernel auto:
+# 4096x28672 at k = 4, M = 1..8, runs whole groups (224 CTAs of 16 K tiles,
+# no partial tiles) instead of stream-K (264 CTAs of 13.6 units): H100 28.4
+# against 30.9 us (7-8% less time), H200 within 1% either way; every other
+# layer measured keeps its split (results/define_ab_h{100,200}_wide_slack_3d86fe6.txt,
+# define_ab_h100_stream_k_slack*_983e7f6.txt). 2 for every launch instead lost
+# 3-12% elsewhere (4096x14336 at M = 16, 4096x6144 at M = 64, k = 5 on 8192x57344).
 _WIDE_STREAM_K_SLACK = 2.0
 
 
