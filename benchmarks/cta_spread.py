@@ -6,9 +6,9 @@ launch's first entry (global timer) to the CTA's last segment multiplied
 (stamp 3, warp 0) in each replay. Printed per (layer, k, M): the median and
 slowest CTA, how alike the replays' orders of CTAs are (the mean Spearman
 correlation of each replay's per-CTA times with the next replay's: near 1,
-the same CTAs are late every time; near 0, chance), the times of even and odd
-CTAs (the two CTAs of an SM are often 2i, 2i + 1), and the ten latest CTAs
-with how often each was among the latest tenth.
+the same CTAs are late every time; near 0, chance), the median times of even
+and odd CTAs (a pattern by launch order would show there), and the ten latest
+CTAs with how often each was among the latest tenth.
 
     PYTHONPATH=.:benchmarks python benchmarks/cta_spread.py --layers 4096x28672 --k 4 --m 1
 """
