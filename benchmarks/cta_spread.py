@@ -20,6 +20,7 @@ import functools
 import os
 
 import numpy as np
+from latency_kernel import layer_weights
 from latency_phases import stamps_view
 from mma_phases import stamped_gemm_mma
 
@@ -33,7 +34,7 @@ def ranks(x: np.ndarray) -> np.ndarray:
 def main() -> int:
     import cupy as cp
 
-    from kbit_cupy import kbit_gemm, quantize_weight
+    from kbit_cupy import kbit_gemm
     from kbit_cupy.bench import harness
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,12 +48,8 @@ def main() -> int:
           f"kernel auto, cold L2, {args.replays} replays; times in us from the launch's first entry "
           "to each CTA's last segment multiplied (warp 0)", flush=True)
     for layer in args.layers:
-        K_dim, N = (int(v) for v in layer.lower().split("x"))
-        W = (cp.random.default_rng(0).standard_normal((N, K_dim), dtype=cp.float32)
-             * np.float32(0.02)).astype(cp.float16)
-        for k in args.k:
-            w = quantize_weight(W, k=k).prepare()
-            cp.cuda.Device().synchronize()
+        K_dim, N, _, weights = layer_weights(layer, args.k)
+        for k, w in weights.items():
             stream = harness._bench_stream()
             for M in args.m:
                 A = cp.asarray(np.random.default_rng(1).standard_normal((M, K_dim)), cp.float16)
