@@ -1026,6 +1026,37 @@ def test_wide_stream_k_slack():
     assert gemm._work_split(448, 32, 264, 132, 0, False, slack)[2] == 0
 
 
+def test_wide_work_split_against_its_runs(monkeypatch):
+    # The 8-warp mma launch's work split (gemm._work_split with
+    # _WIDE_STREAM_K_SLACK; two CTAs an SM, 132 SMs) against the committed
+    # H100 A/B that forced each split in one process: where that launch runs,
+    # the split it picks measured at most 3% slower than the faster of the two
+    # (4096x28672 k = 4: whole groups, 7-9% faster than stream-K).
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / \
+        "define_ab_h100_stream_k_slack_983e7f6.txt"
+    line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=(\d) .*?_SLACK=-1000000\s+([\d.]+) .*?"
+                      r"_SLACK=1000000\s+([\d.]+) ")
+    points = 0
+    for m in map(line.match, path.read_text().splitlines()):
+        if not m:
+            continue
+        K_dim, N, M, k = (int(v) for v in m.groups()[:4])
+        stream_us, split_us = float(m[5]), float(m[6])
+        if M > 8 or gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) != 8:
+            continue
+        rt_n, kt_n = -(-N // 16), -(-K_dim // 256)
+        per_warp = 2 if k == 2 and rt_n >= 2 * 132 and gemm._K2_RPW2 else 1  # (_k2_two_row_tiles)
+        groups = -(-rt_n // (8 * per_warp))
+        splits = gemm._work_split(groups, kt_n, 264, 132, 0, False, gemm._WIDE_STREAM_K_SLACK)[2]
+        picked = stream_us if splits == 0 else split_us
+        assert picked <= 1.03 * min(stream_us, split_us), (K_dim, N, M, k, splits, stream_us, split_us)
+        points += 1
+    assert points >= 12, points
+
+
 def test_eight_warp_rule(monkeypatch):
     from kbit_cupy import gemm
 
