@@ -248,6 +248,10 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #define KBIT_FAST_STORE 1
 #endif
 
+#ifndef KBIT_GROUPED_SLACK_HALVES
+#define KBIT_GROUPED_SLACK_HALVES 1  // (the grouped launch's split; see its use)
+#endif
+
 // Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
 constexpr int kMaxClusterSplits = 8;
@@ -522,10 +526,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // on the H100 at T = 1: 8 experts of [2048, 768] 17.6 -> 13.2 us, of
     // [1536, 2048] 20.4 -> 19.2 us; 10 of [512, 2048] (80 groups, fewer than
     // the SMs) 13.7 -> 15.6 us, hence the SM condition. q carries the SM count.
+    // KBIT_GROUPED_SLACK_HALVES: stream-K's charge per CTA in half tiles (1:
+    // the dense launches' 0.5 tile; other values for A/B runs only: the dense
+    // 8-warp launch measured whole groups 7-9% faster than the stream-K that
+    // 0.5 picked on 4096x28672, benchmarks/NOTES-gemm.md).
     const int sms = q, grid = (int)gridDim.x;
     int ctas = grid;
     if (groups >= sms && groups <= grid && ((groups + sms - 1) / sms) * 2 * k_tiles <=
-                              ((grid + sms - 1) / sms) * (2 * ((units + grid - 1) / grid) + 1))
+                              ((grid + sms - 1) / sms) * (2 * ((units + grid - 1) / grid) + KBIT_GROUPED_SLACK_HALVES))
       ctas = max(groups, 1);
     grouped_q = units / ctas;
     grouped_rem = units % ctas;
