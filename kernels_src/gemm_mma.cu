@@ -532,8 +532,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // 0.5 picked on 4096x28672, benchmarks/NOTES-gemm.md).
     const int sms = q, grid = (int)gridDim.x;
     int ctas = grid;
-    if (groups >= sms && groups <= grid && ((groups + sms - 1) / sms) * 2 * k_tiles <=
-                              ((grid + sms - 1) / sms) * (2 * ((units + grid - 1) / grid) + KBIT_GROUPED_SLACK_HALVES))
+    if (groups >= sms && groups <= grid &&
+        ((groups + sms - 1) / sms) * 2 * k_tiles <=
+            ((grid + sms - 1) / sms) * (2 * ((units + grid - 1) / grid) + KBIT_GROUPED_SLACK_HALVES))
       ctas = max(groups, 1);
     grouped_q = units / ctas;
     grouped_rem = units % ctas;
