@@ -35,6 +35,35 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moe_vs_grouped_mm import CONFIGS
 
 
+def random_experts(E: int, N: int, K_dim: int):
+    """E experts of [N, K_dim] fp16 weights (standard normal x 0.02, seed 0),
+    quantized at k = 4 and prepared (the device synchronized after)."""
+    import cupy as cp
+
+    from kbit_cupy import quantize_experts
+
+    W = (cp.random.default_rng(0).standard_normal((E, N, K_dim), dtype=cp.float32)
+         * np.float32(0.02)).astype(cp.float16)
+    experts = quantize_experts(W, k=4).prepare()
+    del W
+    cp.cuda.Device().synchronize()
+    return experts
+
+
+def uniform_routed_rows(rng, E: int, top_k: int, K_dim: int, T: int, dtype):
+    """T tokens of a uniform router (each token's top_k distinct experts, from
+    ``rng``): (offsets [E + 1] int32 and A [T * top_k, K_dim] of ``dtype``,
+    the (token, choice) rows grouped by expert, stable), both on the device."""
+    import cupy as cp
+
+    ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)]).reshape(-1)
+    counts = np.bincount(ids, minlength=E)
+    order = np.argsort(ids, kind="stable")
+    offsets = cp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    x = rng.standard_normal((T, K_dim)).astype(np.float32)
+    return offsets, cp.asarray(x[order // top_k]).astype(dtype)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -48,7 +77,7 @@ def main() -> int:
 
     import cupy as cp
 
-    from kbit_cupy import _jit, kbit_grouped_gemm, quantize_experts
+    from kbit_cupy import _jit, kbit_grouped_gemm
     from kbit_cupy import experts as ex
     from kbit_cupy._arrays import BFLOAT16
     from kbit_cupy.bench import harness
@@ -73,18 +102,10 @@ def main() -> int:
     for name in args.configs:
         E, top_k, N, K_dim, _ = CONFIGS[name]
         rng = np.random.default_rng(0)
-        W = (cp.random.default_rng(0).standard_normal((E, N, K_dim), dtype=cp.float32)
-             * np.float32(0.02)).astype(cp.float16)
-        base = quantize_experts(W, k=4).prepare()
-        del W
-        cp.cuda.Device().synchronize()
+        base = random_experts(E, N, K_dim)
         for T in args.t:
-            ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)]).reshape(-1)
-            counts = np.bincount(ids, minlength=E)
-            order = np.argsort(ids, kind="stable")
-            offsets = cp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-            x = rng.standard_normal((T, K_dim)).astype(np.float32)
-            A = cp.asarray(x[order // top_k]).astype(dtype)
+            offsets, A = uniform_routed_rows(rng, E, top_k, K_dim, T, dtype)
+            counts = np.diff(cp.asnumpy(offsets))  # rows per expert
             R = T * top_k
             variants = {"auto": (None, saved_tiles, None), "mma": (False, saved_tiles, None)}
             for spec in args.wg:

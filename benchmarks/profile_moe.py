@@ -16,28 +16,21 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from moe_mtiles_ab import random_experts, uniform_routed_rows
 from moe_vs_grouped_mm import CONFIGS
 
 
 def main() -> int:
     import cupy as cp
 
-    from kbit_cupy import _jit, kbit_grouped_gemm, quantize_experts
+    from kbit_cupy import _jit, kbit_grouped_gemm
 
     name, T = sys.argv[1], int(sys.argv[2])
     if len(sys.argv) > 3:
         _jit.GEMM_GROUPED_WG_M_TILES = (int(sys.argv[3]),)
     E, top_k, N, K_dim, _ = CONFIGS[name]
-    rng = np.random.default_rng(0)
-    W = (cp.random.default_rng(0).standard_normal((E, N, K_dim), dtype=cp.float32)
-         * np.float32(0.02)).astype(cp.float16)
-    experts = quantize_experts(W, k=4).prepare()
-    del W
-    ids = np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)]).reshape(-1)
-    order = np.argsort(ids, kind="stable")
-    offsets = cp.asarray(np.concatenate([[0], np.cumsum(np.bincount(ids, minlength=E))]).astype(np.int32))
-    x = rng.standard_normal((T, K_dim)).astype(np.float32)
-    A = cp.asarray(x[order // top_k]).astype(cp.float16)
+    experts = random_experts(E, N, K_dim)
+    offsets, A = uniform_routed_rows(np.random.default_rng(0), E, top_k, K_dim, T, cp.float16)
     for _ in range(4):
         kbit_grouped_gemm(A, experts, offsets, validate=False)
     cp.cuda.Device().synchronize()

@@ -792,11 +792,10 @@ def moe_linear(x, topk_ids, experts: KbitExperts, out=None, validate: bool = Tru
     rows = C.reshape(T * top_k, N)
     # one launch, each CTA grouping the pairs itself, where they fit its shared memory
     # (the ids converted once: route_pairs takes the int32 ids as they are)
+    in_launch = False
     if T * top_k <= _FUSED_ROUTE_MAX_PAIRS:
         topk_ids = _ids_int32(topk_ids, E)
         in_launch = _launch_grouped(x, experts, None, rows, None, top_k, route_ids=topk_ids)
-    else:
-        in_launch = False
     if not in_launch:
         with _launch.setup_scope():  # compiles the routing kernel once, outside a capture
             _jit.get_kernel("moe_route", _jit.MOE_ROUTE_THREADS)

@@ -1337,9 +1337,12 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     cap = _jit.GEMM_MAX_CLUSTER_SPLITS if capable else 0
     # M chunks: every chunk's groups count (each CTA one segment of one
     # chunk's group, so the kernel's per-chunk ranges are whole segments)
-    slack = (_SLAB_STREAM_K_SLACK if threads > warps * 32
-             and _layer_class(N, K_dim, weight.k, True) == "large" else
-             _WIDE_STREAM_K_SLACK if not wg and warps == 8 else None)
+    if threads > warps * 32 and _layer_class(N, K_dim, weight.k, True) == "large":
+        slack = _SLAB_STREAM_K_SLACK  # slab staging's producer warpgroup on a large layer
+    elif not wg and warps == 8:
+        slack = _WIDE_STREAM_K_SLACK
+    else:
+        slack = None  # (_work_split's default, _STREAM_K_SLACK)
     while True:
         group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
                                                 _sm_count(), cap, chunks > 1,

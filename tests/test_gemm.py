@@ -1035,6 +1035,7 @@ def test_wide_work_split_against_its_runs(monkeypatch):
     from kbit_cupy import gemm
 
     monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)  # the H100 of the runs
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / \
         "define_ab_h100_stream_k_slack_983e7f6.txt"
     line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=(\d) .*?_SLACK=-1000000\s+([\d.]+) .*?"
@@ -1048,7 +1049,7 @@ def test_wide_work_split_against_its_runs(monkeypatch):
         if M > 8 or gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) != 8:
             continue
         rt_n, kt_n = -(-N // 16), -(-K_dim // 256)
-        per_warp = 2 if k == 2 and rt_n >= 2 * 132 and gemm._K2_RPW2 else 1  # (_k2_two_row_tiles)
+        per_warp = 2 if gemm._k2_two_row_tiles(k, 1, 8, rt_n) else 1
         groups = -(-rt_n // (8 * per_warp))
         splits = gemm._work_split(groups, kt_n, 264, 132, 0, False, gemm._WIDE_STREAM_K_SLACK)[2]
         picked = stream_us if splits == 0 else split_us
