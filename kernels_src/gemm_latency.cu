@@ -179,8 +179,17 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ offsets, in
 constexpr int kClusterMaxWarps = 8;   // _jit.py mirrors it (GEMM_CLUSTER_MAX_WARPS)
 constexpr int kClusterMaxReads = 16;  // ranks x warps per row tile: gemm.py keeps to it
 
+// KBIT_LATENCY_MAXNREG (A/B runs only; unset: the launch bounds below): the
+// registers a thread at most, so that gemm.py's latency_geometry (which reads
+// the built kernel's registers) fits more warps in one wave. At 80, k = 4
+// spills one word outside the tile loop (16 bytes), which the compile check
+// rejects; measured in benchmarks/NOTES-gemm.md ("Fewer registers a warp").
 template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false>
+#ifdef KBIT_LATENCY_MAXNREG
+__global__ void __maxnreg__(KBIT_LATENCY_MAXNREG)
+#else
 __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMaxWarps), 1)
+#endif
     kbit_gemm_latency(const uint4* __restrict__ tiles, const void* __restrict__ scales,
                       const float* __restrict__ codebook, const T* __restrict__ A,
                       T* __restrict__ C, int M, int N, int K_dim, int k_tiles,
