@@ -543,12 +543,20 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Grouped: CTAs past the ones used have no units.
   const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
   const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
+// KBIT_ROUTED_PREFETCH (below, where the rows are placed): 1, the first
+// weight tile prefetched before the placement; 0, the placement here, before
+// anything is asked of the weights (for A/B runs).
+#ifndef KBIT_ROUTED_PREFETCH
+#define KBIT_ROUTED_PREFETCH 1
+#endif
+#if !KBIT_ROUTED_PREFETCH
   if constexpr (GROUPED) {
     if (route_ids && u_begin < u_end)  // (CTA-uniform)
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
                         u_begin / group_units / problem_groups,
                         (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
   }
+#endif
   // The CTA whose range holds unit v (ranges are never empty: ctas <= units;
   // grouped launches may have empty ones at the end, which hold no unit).
   auto cta_of = [&](int v) {
@@ -753,6 +761,38 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+#if KBIT_ROUTED_PREFETCH
+  // With route_ids the rows are placed (place_routed_rows) here, after each
+  // warp has asked L2 for its first weight tile and scale words (a prefetch:
+  // no registers held across the call), so that the placement's barriers
+  // overlap the first tile's trip from memory; the codebook loads above
+  // overlap it too. H100, k = 4 fp16, kernel-only, in one process against
+  // the placement first (results/moe_gap_probe_h100_routed_prefetch_8474ae6.txt,
+  // the same bits): moe_linear 128 x [2048, 768] top-8 T = 8 28.32 -> 27.64
+  // us, 128 x [1536, 2048] T = 8 41.64 -> 40.92, 128 x [4096, 3072] T = 1
+  // 30.56 -> 29.80; 512 x [512, 2048] T = 8 0.5% less; T = 128 0-0.9% less;
+  // [2048, 768] at T = 512 0.6% more; kbit_grouped_gemm (no route_ids) 0.3%
+  // less to 0.5% more.
+  if constexpr (GROUPED) {
+    if (route_ids && u_begin < u_end) {  // (CTA-uniform)
+      {
+        const Place first = locate(grp);
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+          const long long idx = first.tile0 + row_tile(first.gl, r) * k_tiles + kt;
+#pragma unroll
+          for (int q = 0; q < K; ++q)
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + (idx * K + q) * 32 + lane));
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const RawScale*>(scales) +
+                                                              idx * 32 + lane));
+        }
+      }
+      place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
+                        u_begin / group_units / problem_groups,
+                        (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
+    }
+  }
+#endif
   Place cur = locate(grp), nxt = cur;  // the current segment's place, the next one's
   if (u_begin < u_end && (!kSlab || warp < warps)) {  // (slabs: the producer's)
     if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
