@@ -48,24 +48,24 @@ extern "C" __global__ void sm_read(const uint4* __restrict__ src, long long n16,
   unsigned acc = 0u;
   const long long blocks = grain ? per / grain : 1;
   for (long long blk = 0; blk < blocks; ++blk) {
-  const long long b = grain ? (blk * gridDim.x + c) * grain : (long long)c * per;
-  const long long e = grain ? b + grain : min(n16, b + per);
-  for (long long i = b + threadIdx.x; i < e; i += 4 * blockDim.x) {
-    uint4 v[4];
+    const long long b = grain ? (blk * gridDim.x + c) * grain : (long long)c * per;
+    const long long e = grain ? b + grain : min(n16, b + per);
+    for (long long i = b + threadIdx.x; i < e; i += 4 * blockDim.x) {
+      uint4 v[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const long long k = i + j * blockDim.x;
-      if (k < e) {
-        asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                     : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
-                     : "l"(src + k), "l"(pol));
-      } else {
-        v[j] = make_uint4(0u, 0u, 0u, 0u);
+      for (int j = 0; j < 4; ++j) {
+        const long long k = i + j * blockDim.x;
+        if (k < e) {
+          asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                       : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
+                       : "l"(src + k), "l"(pol));
+        } else {
+          v[j] = make_uint4(0u, 0u, 0u, 0u);
+        }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
+      for (int j = 0; j < 4; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    }
   }
   __syncthreads();
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
@@ -105,7 +105,7 @@ def main() -> int:
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     kern = cp.RawKernel(_SRC, "sm_read", options=("-std=c++17",))
     n16 = args.mbytes * (1 << 20) // 16
-    src = cp.arange(n16 * 4, dtype=cp.uint32).view(cp.uint32)
+    src = cp.arange(n16 * 4, dtype=cp.uint32)
     scratch = cp.empty(256 << 20, cp.uint8)
     sink = cp.zeros(1, cp.uint32)
     print(f"{name}: {sms} SMs, {args.mbytes} MB a launch, {args.threads} threads a CTA, "
@@ -141,14 +141,14 @@ def main() -> int:
         odd, even = np.nanmean(per_sm_t[1::2], axis=0), np.nanmean(per_sm_t[0::2], axis=0)
         both = ok & ~np.isnan(odd) & ~np.isnan(even)
         same_sm = float((sm_of == sm_of[0]).mean())
-        cta_corr = _rank_corr(dur[1::2].mean(axis=0), dur[0::2].mean(axis=0))
+        chunk_corr = _rank_corr(dur[1::2].mean(axis=0), dur[0::2].mean(axis=0))
         print(f"{per_sm} CTA(s) an SM ({ctas} CTAs), grain {grain_kb or 'contiguous'} KB"
               f"{', rotated' if args.rotate else ''}: span median {np.median(span):.2f} us, "
               f"CTA time median {np.median(dur):.2f} us")
         print(f"  per SM: fastest {np.min(med[ok]):.2f}, median {np.median(med[ok]):.2f}, "
               f"slowest {np.max(med[ok]):.2f} us ({np.max(med[ok]) / np.median(med[ok]):.3f}x median); "
               f"odd/even rank correlation {_rank_corr(odd[both], even[both]):.2f}")
-        print(f"  per chunk: odd/even rank correlation {cta_corr:.2f}; slowest chunk "
+        print(f"  per chunk: odd/even rank correlation {chunk_corr:.2f}; slowest chunk "
               f"{dur.mean(axis=0).max():.2f} us, median {np.median(dur.mean(axis=0)):.2f}; a chunk on the "
               f"same SM as in run 0: {same_sm:.2f} of the time")
         order = np.argsort(med)
