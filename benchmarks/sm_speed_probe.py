@@ -100,13 +100,15 @@ def main() -> int:
 
     import cupy as cp
 
+    from kbit_cupy.bench import harness
+
     dev = cp.cuda.Device()
     sms = dev.attributes["MultiProcessorCount"]
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     kern = cp.RawKernel(_SRC, "sm_read", options=("-std=c++17",))
     n16 = args.mbytes * (1 << 20) // 16
     src = cp.arange(n16 * 4, dtype=cp.uint32)
-    scratch = cp.empty(256 << 20, cp.uint8)
+    flush = harness._flusher(harness.DEFAULT_FLUSH_BYTES)  # TARGETS.md's 256 MB overwrite
     sink = cp.zeros(1, cp.uint32)
     print(f"{name}: {sms} SMs, {args.mbytes} MB a launch, {args.threads} threads a CTA, "
           f"{args.runs} runs after a 256 MB overwrite each")
@@ -121,7 +123,7 @@ def main() -> int:
         dur = np.zeros((args.runs, ctas))
         span = np.zeros(args.runs)
         for r in range(args.runs):
-            scratch.fill(r & 0xFF)
+            flush()
             rot = r % ctas if args.rotate else 0
             kern((ctas,), (args.threads,), (src, cp.int64(n16), out, sink, np.int32(rot),
                                              np.int64(grain)))

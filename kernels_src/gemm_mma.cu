@@ -251,6 +251,12 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #ifndef KBIT_GROUPED_SLACK_HALVES
 #define KBIT_GROUPED_SLACK_HALVES 1  // (the grouped launch's split; see its use)
 #endif
+// Where moe_linear's grouped launch places its rows (see the use): 1, after
+// each warp's first weight tile is prefetched; 0, before anything is asked of
+// the weights (for A/B runs).
+#ifndef KBIT_ROUTED_PREFETCH
+#define KBIT_ROUTED_PREFETCH 1
+#endif
 
 // Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
@@ -527,9 +533,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // [1536, 2048] 20.4 -> 19.2 us; 10 of [512, 2048] (80 groups, fewer than
     // the SMs) 13.7 -> 15.6 us, hence the SM condition. q carries the SM count.
     // KBIT_GROUPED_SLACK_HALVES: stream-K's charge per CTA in half tiles (1:
-    // the dense launches' 0.5 tile; other values for A/B runs only: the dense
-    // 8-warp launch measured whole groups 7-9% faster than the stream-K that
-    // 0.5 picked on 4096x28672, benchmarks/NOTES-gemm.md).
+    // the dense launches' 0.5 tile; other values for A/B runs only). 2 and 4
+    // changed no choice on five MoE configs at T = 8..512 (H100, the same bits:
+    // results/moe_gap_probe_h100_grouped_slack{2,4}_c22f4b9.txt).
     const int sms = q, grid = (int)gridDim.x;
     int ctas = grid;
     if (groups >= sms && groups <= grid &&
@@ -543,13 +549,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Grouped: CTAs past the ones used have no units.
   const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
   const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
-// KBIT_ROUTED_PREFETCH (below, where the rows are placed): 1, the first
-// weight tile prefetched before the placement; 0, the placement here, before
-// anything is asked of the weights (for A/B runs).
-#ifndef KBIT_ROUTED_PREFETCH
-#define KBIT_ROUTED_PREFETCH 1
-#endif
-#if !KBIT_ROUTED_PREFETCH
+#if !KBIT_ROUTED_PREFETCH  // (the rows placed before the weights are asked for)
   if constexpr (GROUPED) {
     if (route_ids && u_begin < u_end)  // (CTA-uniform)
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
@@ -775,7 +775,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // less to 0.5% more.
   if constexpr (GROUPED) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
-      {
+      {  // (located again after the call: nothing live across it)
         const Place first = locate(grp);
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {

@@ -1048,7 +1048,7 @@ def test_wide_work_split_against_its_runs(monkeypatch):
         stream_us, split_us = float(m[5]), float(m[6])
         if M > 8 or gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) != 8:
             continue
-        rt_n, kt_n = -(-N // 16), -(-K_dim // 256)
+        rt_n, kt_n = gemm._tile_counts(N, K_dim)
         per_warp = 2 if gemm._k2_two_row_tiles(k, 1, 8, rt_n) else 1
         groups = -(-rt_n // (8 * per_warp))
         splits = gemm._work_split(groups, kt_n, 264, 132, 0, False, gemm._WIDE_STREAM_K_SLACK)[2]
