@@ -34,6 +34,10 @@ def main() -> int:
                         "forced onto mma.sync and onto the Hopper path (wgmma)")
     p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                    help="compile the kernels with -DNAME=VALUE (A/B of a kernel knob across runs)")
+    p.add_argument("--dense", action="store_true",
+                   help="instead: kbit_grouped_gemm against kbit_gemm on a dense layer of the "
+                        "touched experts' bytes (their N rows stacked) at M = 1 and at the most "
+                        "rows an expert has, and the read ceiling of those bytes (full_sweep.py)")
     p.add_argument("--ab", default=None, metavar="NAME=VALUE",
                    help="instead: kbit_grouped_gemm and moe_linear built with the default "
                         "options and with -DNAME=VALUE (or with module.ATTR=VALUE set), timed side "
@@ -67,6 +71,9 @@ def main() -> int:
     for T in args.t:
         if args.ab:
             _define_ab(T, E, top_k, K_dim, N, experts, args.ab, rng)
+            continue
+        if args.dense:
+            _dense(T, E, top_k, K_dim, N, experts, rng)
             continue
         if args.wg_ab:
             _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng)
@@ -112,6 +119,36 @@ def _routed(T, E, top_k, K_dim, rng):
     offsets = cp.asarray(np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
                          .astype(np.int32))
     return ids, x, offsets, cp.asarray(cp.asnumpy(x)[order // top_k])
+
+
+def _dense(T, E, top_k, K_dim, N, experts, rng):
+    """kbit_grouped_gemm on T routed tokens against the same bytes as one dense
+    layer (the touched experts' rows stacked, random weights) through kbit_gemm
+    at M = 1 and at the largest rows per expert, and against the fastest read of
+    those bytes; each a CUDA graph, printed."""
+    import cupy as cp
+    from full_sweep import read_ceilings
+
+    from kbit_cupy import kbit_gemm, kbit_grouped_gemm, quantize_weight
+
+    _, _, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
+    counts = np.diff(cp.asnumpy(offsets))
+    active, most = int((counts > 0).sum()), int(counts.max())
+    C = cp.empty((T * top_k, N), cp.float16)
+    ops = {"grouped": lambda: kbit_grouped_gemm(A_sorted, experts, offsets, out=C, validate=False)}
+    W = (cp.random.default_rng(2).standard_normal((active * N, K_dim), dtype=cp.float32)
+         * np.float32(0.02)).astype(cp.float16)
+    w = quantize_weight(W, k=4).prepare()
+    del W
+    for M in sorted({1, most}):
+        A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float16))
+        out = cp.empty((M, active * N), cp.float16)
+        ops[f"dense M={M}"] = lambda A=A, out=out: kbit_gemm(A, w, out=out)
+    cp.cuda.Device().synchronize()
+    read = read_ceilings(K_dim, active * N, [4], 10)[4]
+    print(f"T={T}: {active} experts touched, at most {most} rows; dense layer {K_dim}x{active * N}; "
+          f"read of its k=4 bytes {read:.2f} us", flush=True)
+    _time_and_print(T, ops)
 
 
 def _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng):
