@@ -69,6 +69,17 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 #ifndef KBIT_LATENCY_STAGE_ALIGN
 #define KBIT_LATENCY_STAGE_ALIGN 128
 #endif
+// Units of work per K tile (not with CLUSTER): 1, a warp takes whole K tiles;
+// 2 (for A/B runs, with _jit.GEMM_LATENCY_KSPLIT = 2 on the host, which then
+// gives a CTA up to twice the warps), a warp takes half K tiles: blocks 0..3
+// or 4..7 of a tile, loading only the words, scales and A columns of its
+// half, so a tile's decode is spread over two warps. The stamps of 768x2048
+// at M = 1 (H100, latency_phases_h100_small_ea9e942.txt: 128 CTAs of 3
+// warps) spend 0.73 us of a 2.8 us span on one warp decoding its tile.
+// Other bits than 1 (another order of the K sum), within FORMAT.md section 7.
+#ifndef KBIT_LATENCY_KSPLIT
+#define KBIT_LATENCY_KSPLIT 1
+#endif
 
 // Phase stamps, for benchmarks/latency_phases.py only (it builds this file with
 // -DKBIT_LATENCY_PHASES; otherwise they compile to nothing): lane 0 of each warp
@@ -239,6 +250,11 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   }
   const int local_tiles = CLUSTER ? (k_tiles - rank + ranks - 1) / ranks : k_tiles;
   const int warp_tiles = rt_ok ? local_tiles : 0;  // local tiles this warp may take
+  // Units: local tile u / kSplit, its part u % kSplit (KBIT_LATENCY_KSPLIT);
+  // the warp's are units kw, kw + wk, ...
+  constexpr int kSplit = CLUSTER ? 1 : KBIT_LATENCY_KSPLIT;
+  static_assert(kSplit == 1 || kSplit == 2, "KBIT_LATENCY_KSPLIT: 1 or 2");
+  const int warp_units = warp_tiles * kSplit;
   auto kt_of = [&](int i) { return rank + i * ranks; };
   const int stride = local_tiles * 32;   // chunks per staged row
 
@@ -246,15 +262,37 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   using RawScale = typename ScaleWord<TScale>::Raw;
   unsigned w_s[2][4 * K];
   RawScale raw_s[2];
-  auto load_tile = [&](int kt, unsigned (&w)[4 * K], RawScale& raw) {
+  auto load_unit = [&](int u, unsigned (&w)[4 * K], RawScale& raw) {
+    const int kt = kt_of(u / kSplit);  // (first: the order of the PTX before units)
     const long long tile = tile0 + (long long)rt * k_tiles + kt;
+    if constexpr (kSplit == 1) {
 #pragma unroll
-    for (int q = 0; q < K; ++q) {
-      const uint4 v = ldg_weight(tiles + (tile * K + q) * 32 + lane, l2_policy);
-      w[4 * q] = v.x;
-      w[4 * q + 1] = v.y;
-      w[4 * q + 2] = v.z;
-      w[4 * q + 3] = v.w;
+      for (int q = 0; q < K; ++q) {
+        const uint4 v = ldg_weight(tiles + (tile * K + q) * 32 + lane, l2_policy);
+        w[4 * q] = v.x;
+        w[4 * q + 1] = v.y;
+        w[4 * q + 2] = v.z;
+        w[4 * q + 3] = v.w;
+      }
+    } else {
+      // Half `part` of the lane's index string: words 2K part .. 2K part + 2K - 1
+      // (blocks 4 part .. 4 part + 3) into w[0 .. 2K), zeros above. For odd K
+      // the second half starts two words into a 16-byte load.
+      const int part = u % kSplit;
+      constexpr int kOdd = K & 1, kLoads = (2 * K + 2 * kOdd + 3) / 4;
+      const int q0 = (2 * K * part) >> 2;
+      unsigned buf[4 * kLoads];
+#pragma unroll
+      for (int q = 0; q < kLoads; ++q) {
+        const uint4 v = ldg_weight(tiles + (tile * K + q0 + q) * 32 + lane, l2_policy);
+        buf[4 * q] = v.x;
+        buf[4 * q + 1] = v.y;
+        buf[4 * q + 2] = v.z;
+        buf[4 * q + 3] = v.w;
+      }
+#pragma unroll
+      for (int i = 0; i < 4 * K; ++i)
+        w[i] = i >= 2 * K ? 0u : kOdd && part ? buf[i + 2 * kOdd] : buf[i];
     }
     raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
@@ -267,7 +305,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // 1, MoE T = 1 within 1.5% (H100, define_ab_h100_latency_a_first_2cc6094.txt),
   // though the stamps show A staged 0.2-0.5 us after the first tile arrived.
   const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
-  if (kw < warp_tiles) load_tile(kt_of(kw), w_s[0], raw_s[0]);
+  if (kw < warp_units) load_unit(kw, w_s[0], raw_s[0]);
 
   // [rows][stride], then the partial tiles (below); CLUSTER: the partial tiles
   // first, at the same address in every CTA of the cluster (their staged
@@ -337,8 +375,8 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     }
   }
   auto stamp_loads = [&]() {  // (stamped builds only)
-    if (kw < warp_tiles) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K - 1]);  // first tile in
-    if (kw < warp_tiles) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
+    if (kw < warp_units) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K / kSplit - 1]);  // first tile in
+    if (kw < warp_units) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
     latency_phase_after(7, cb);  // the codebook
   };
 #ifdef KBIT_LATENCY_PHASES_LOADS_FIRST  // the loads' own arrival, before the staging's wait
@@ -374,10 +412,12 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // index string (select_upper) and decoded as rows g; rows g + 8 of the mma
   // are zero, so its rows g are the CTA's rows, in the same bits as a whole
   // tile's mma gives them.
-  // i: the local K tile (its staged columns).
-  auto tile = [&](bool kHalf, int i, const unsigned (&w_in)[4 * K], const RawScale& raw,
+  // u: the unit, of local K tile i (its staged columns), part `part` (blocks
+  // 8 / kSplit part ..).
+  auto tile = [&](bool kHalf, int u, const unsigned (&w_in)[4 * K], const RawScale& raw,
                   unsigned (&w_next)[4 * K], RawScale& raw_next) {
-    if (i + wk < warp_tiles) load_tile(kt_of(i + wk), w_next, raw_next);
+    if (u + wk < warp_units) load_unit(u + wk, w_next, raw_next);
+    const int i = u / kSplit, part = u % kSplit;
     unsigned w[4 * K];
     if (kHalf) {  // a constant where inlined (all_tiles)
       select_upper<K>(w_in, upper, w);
@@ -388,16 +428,17 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     unsigned sw_lo[2 * ScaleWord<TScale>::kBytes / 4], sw_hi[2 * ScaleWord<TScale>::kBytes / 4];
     const int lo_lane = 2 * g + (kHalf && upper ? 16 : 0);  // kHalf: the CTA's rows in sw_lo
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < 2 / kSplit; ++half) {  // kSplit 2: the part's scales only
+      const int src = half + part;
       if constexpr (sizeof(TScale) == 1) {
-        sw_lo[half] = __shfl_sync(kFullMask, raw, lo_lane + half);
-        if (!kHalf) sw_hi[half] = __shfl_sync(kFullMask, raw, 2 * g + 16 + half);
+        sw_lo[half] = __shfl_sync(kFullMask, raw, lo_lane + src);
+        if (!kHalf) sw_hi[half] = __shfl_sync(kFullMask, raw, 2 * g + 16 + src);
       } else {
-        sw_lo[2 * half] = __shfl_sync(kFullMask, raw.x, lo_lane + half);
-        sw_lo[2 * half + 1] = __shfl_sync(kFullMask, raw.y, lo_lane + half);
+        sw_lo[2 * half] = __shfl_sync(kFullMask, raw.x, lo_lane + src);
+        sw_lo[2 * half + 1] = __shfl_sync(kFullMask, raw.y, lo_lane + src);
         if (!kHalf) {
-          sw_hi[2 * half] = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + half);
-          sw_hi[2 * half + 1] = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + half);
+          sw_hi[2 * half] = __shfl_sync(kFullMask, raw.x, 2 * g + 16 + src);
+          sw_hi[2 * half + 1] = __shfl_sync(kFullMask, raw.y, 2 * g + 16 + src);
         }
       }
     }
@@ -405,12 +446,12 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       const int row = 8 * mt + my_row;
-      const unsigned base = x_base + 16u * (row * stride + i * 32);
+      const unsigned base = x_base + 16u * (row * stride + i * 32 + part * (32 / kSplit));
       x_even[mt] = row < rows ? base + 16u * (my_chunk ^ my_row) : zero_addr;
       x_odd[mt] = row < rows ? base + 16u * ((4 + my_chunk) ^ my_row) : zero_addr;
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 8 / kSplit; ++j) {
       unsigned wp[2][4];  // [h][pair p]: columns (8p + 2t, +1) of row g + 8h, block j
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -446,9 +487,9 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     }
   };
   auto all_tiles = [&](bool kHalf) {
-    for (int i = kw; i < warp_tiles; i += 2 * wk) {
-      tile(kHalf, i, w_s[0], raw_s[0], w_s[1], raw_s[1]);
-      if (i + wk < warp_tiles) tile(kHalf, i + wk, w_s[1], raw_s[1], w_s[0], raw_s[0]);
+    for (int u = kw; u < warp_units; u += 2 * wk) {
+      tile(kHalf, u, w_s[0], raw_s[0], w_s[1], raw_s[1]);
+      if (u + wk < warp_units) tile(kHalf, u + wk, w_s[1], raw_s[1], w_s[0], raw_s[0]);
     }
   };
   if (half_tiles)  // two inlined copies (ptxas reports no stack), each for its constant

@@ -179,6 +179,33 @@ def test_latency_half_tiles_same_bits_as_whole_tiles(monkeypatch, dtype, fmt):
         assert (outs[0].view(cp.uint16) == outs[2].view(cp.uint16)).all(), (M, N, K_dim, k)
 
 
+@pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latency_half_k_tiles(monkeypatch, dtype, fmt):
+    """gemm_latency.cu built with KBIT_LATENCY_KSPLIT=2 (an A/B knob: each
+    warp takes half K tiles, the host gives the CTA up to twice the warps):
+    exact to the reference at every k (odd k: the second half starts inside a
+    16-byte load), whole and half row tiles, fewer warps than units (the
+    register double buffer), M up to 16, every element written, the same bits
+    again; and the default build afterwards as before."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, gemm
+
+    saved = _jit.compile_options
+    monkeypatch.setattr(_jit, "compile_options", lambda: (*saved(), "-DKBIT_LATENCY_KSPLIT=2"))
+    monkeypatch.setattr(_jit, "GEMM_LATENCY_KSPLIT", 2)
+    monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
+    for max_warps, half in ((16, 0), (16, 2), (3, 0)):
+        monkeypatch.setattr(gemm._jit, "GEMM_LATENCY_MAX_WARPS", max_warps)
+        monkeypatch.setattr(gemm, "_LATENCY_HALF_TILES", half)
+        for M, N, K_dim, k in [(1, 2048, 768, 4), (1, 768, 2048, 3), (3, 129, 800, 5),
+                               (16, 300, 256, 2), (5, 40, 4352, 5), (8, 24, 32, 3), (1, 7, 96, 4)]:
+            w, A, C = run_case(M, N, K_dim, k, dtype, "latency", fmt=fmt, seed=N)
+            again = kbit_gemm(cp.asarray(A), w, kernel="latency")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim, k)
+
+
 @pytest.mark.parametrize("M", [1, 17, 64, 100, 257])
 def test_cluster_split_geometries(monkeypatch, M):
     """gemm_latency.cu's cluster split under forced geometries: ranks that do
