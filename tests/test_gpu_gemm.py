@@ -187,7 +187,7 @@ def test_latency_half_k_tiles(monkeypatch, dtype, fmt):
     exact to the reference at every k (odd k: the second half starts inside a
     16-byte load), whole and half row tiles, fewer warps than units (the
     register double buffer), M up to 16, every element written, the same bits
-    again; and the default build afterwards as before."""
+    again."""
     import cupy as cp
 
     from kbit_cupy import _jit, gemm
