@@ -29,8 +29,23 @@ parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5],
 parser.add_argument("--large-m", action="store_true",
                     help="wgmma launches of 129..256 rows and their M chunks only "
                          "(warp-specialised, tensor copies), both work splits")
+parser.add_argument("--define", default=None, metavar="NAME=VALUE[,module.ATTR=VALUE]",
+                    help="the whole run with the kernels built with -DNAME=VALUE and kbit_cupy "
+                         "module attributes set (an A/B knob under the sanitizer; define_ab.py's "
+                         "syntax, e.g. KBIT_LATENCY_KSPLIT=2,_jit.GEMM_LATENCY_KSPLIT=2)")
 args = parser.parse_args()
 args.no_cublas = args.no_cublas or bool(args.only)
+if args.define:
+    import contextlib
+
+    import define_ab  # (benchmarks/, this script's directory)
+
+    defines = dict(kv.split("=") for kv in args.define.split(","))
+    knob = contextlib.ExitStack()  # held for the whole run
+    knob.enter_context(define_ab.module_attributes({n: v for n, v in defines.items() if "." in n}))
+    knob.enter_context(define_ab.kernels_built_with(
+        [f"-D{n}={v}" for n, v in defines.items() if "." not in n]))
+    print(f"kernels built with {args.define}")
 if args.stream_k:
     from kbit_cupy import gemm
 
