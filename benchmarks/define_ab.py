@@ -68,6 +68,19 @@ def module_attributes(values: dict, clear: bool = True):
             _clear_caches(values)
 
 
+_HELD = contextlib.ExitStack()  # whole_run_with's settings, held until the process exits
+
+
+def whole_run_with(spec: str) -> None:
+    """For a script's whole run (the sanitizer scripts' ``--define``): kernels
+    built with the ``-DNAME=VALUE`` and kbit_cupy module attributes set for the
+    ``module.ATTR=VALUE`` of ``spec`` (comma-separated, this script's syntax)."""
+    defines = dict(kv.split("=") for kv in spec.split(","))
+    _HELD.enter_context(module_attributes({n: v for n, v in defines.items() if "." in n}))
+    _HELD.enter_context(kernels_built_with([f"-D{n}={v}" for n, v in defines.items() if "." not in n]))
+    print(f"kernels built with {spec}", flush=True)
+
+
 def _clear_caches(values: dict) -> None:
     """Empties the functools caches of the modules named in ``values``: a cached
     function (gemm._work_split) may read the attribute without taking it as an

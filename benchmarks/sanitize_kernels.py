@@ -36,16 +36,9 @@ parser.add_argument("--define", default=None, metavar="NAME=VALUE[,module.ATTR=V
 args = parser.parse_args()
 args.no_cublas = args.no_cublas or bool(args.only)
 if args.define:
-    import contextlib
-
     import define_ab  # (benchmarks/, this script's directory)
 
-    defines = dict(kv.split("=") for kv in args.define.split(","))
-    knob = contextlib.ExitStack()  # held for the whole run
-    knob.enter_context(define_ab.module_attributes({n: v for n, v in defines.items() if "." in n}))
-    knob.enter_context(define_ab.kernels_built_with(
-        [f"-D{n}={v}" for n, v in defines.items() if "." not in n]))
-    print(f"kernels built with {args.define}")
+    define_ab.whole_run_with(args.define)
 if args.stream_k:
     from kbit_cupy import gemm
 

@@ -27,7 +27,14 @@ parser.add_argument("--wgmma", action="store_true",
 parser.add_argument("--wg-tiles", type=int, default=None,
                     help="with --wgmma: problems of 8 * N rows only (default: chosen per call)")
 parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5], help="bit widths to run")
+parser.add_argument("--define", default=None, metavar="NAME=VALUE[,module.ATTR=VALUE]",
+                    help="the whole run with the kernels built with -DNAME=VALUE and kbit_cupy "
+                         "module attributes set (define_ab.py's syntax)")
 args = parser.parse_args()
+if args.define:
+    import define_ab  # (benchmarks/, this script's directory)
+
+    define_ab.whole_run_with(args.define)
 if args.wgmma:
     from kbit_cupy import _jit
     from kbit_cupy import experts as _experts
