@@ -1595,7 +1595,8 @@ def _slab_launch_ok(weight: KbitWeight, dtype_name: str) -> bool:
     NVRTC it runs, this for the one compiling here): with any other count
     setmaxnreg.inc would wait forever, so kbit_gemm then launches 128 rows."""
     scale = weight.absmax.dtype.name
-    key = (_launch.current_device(), weight.k, dtype_name, scale)
+    key = (_launch.current_device(), weight.k, dtype_name, scale,
+           _jit.gemm_wg_m_tiles(weight.k, scale))  # (the tiles: _jit.GEMM_WG_K5_FULL_ROWS)
     found = _slab_ok_cache.get(key)
     if found is None:
         found = True

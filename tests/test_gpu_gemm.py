@@ -354,9 +354,31 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
-def test_wgmma_slab_chunks(monkeypatch, dtype, k):
-    """Past the slab-staged variant's rows (256; 192 at k = 5): one launch of
+def test_wgmma_k5_full_rows_one_launch(monkeypatch, dtype):
+    """k = 5 at 193..256 rows with _jit.GEMM_WG_K5_FULL_ROWS (an A/B knob):
+    one launch of the 256-row variant instead of 192 rows and the rest; close
+    to the reference, every element written, the same bits again."""
+    import cupy as cp
+
+    from kbit_cupy import _jit
+
+    needs_kernel("wgmma")
+    monkeypatch.setattr(_jit, "GEMM_WG_K5_FULL_ROWS", True)
+    for M, N, K_dim in [(256, 300, 512), (200, 1000, 2304), (193, 129, 64)]:
+        for fmt in ("e4m4", "fp16"):  # fp16 scales keep their 192-row launches
+            w, A, C = run_case(M, N, K_dim, 5, dtype, "wgmma", fmt=fmt, seed=M)
+            plan = next(p for p in w._plans.values() if p.choice == "wgmma")
+            assert len(plan.launches) == (1 if fmt == "e4m4" else 2), (M, fmt, plan.launches)
+            again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim, fmt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, k5_full_rows", [(2, False), (3, False), (4, False), (5, False),
+                                             (5, True)])
+def test_wgmma_slab_chunks(monkeypatch, dtype, k, k5_full_rows):
+    """Past the slab-staged variant's rows (256; 192 at k = 5 unless
+    _jit.GEMM_WG_K5_FULL_ROWS, an A/B knob: k5_full_rows): one launch of
     that many rows a chunk along grid z (gemm._wg_slab_chunks), whole groups
     a CTA or, where the chunks' groups leave SMs idle, split K through the
     workspace with slots and counters per chunk. A last chunk of a few rows
@@ -369,8 +391,10 @@ def test_wgmma_slab_chunks(monkeypatch, dtype, k):
     from kbit_cupy import _jit, gemm
 
     needs_kernel("wgmma")
+    monkeypatch.setattr(_jit, "GEMM_WG_K5_FULL_ROWS", k5_full_rows)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     rows = 8 * max(_jit.gemm_wg_m_tiles(k, "uint8"))
+    assert rows == (192 if k == 5 and not k5_full_rows else 256)
     split = whole = 0
     for M, N, K_dim, expect in [(2 * rows, 1000, 1280, True), (3 * rows - 40, 300, 4096, True),
                                 (4 * rows, 4100, 512, True), (2 * rows + rows // 2 + 3, 2000, 2304, True),
