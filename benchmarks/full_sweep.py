@@ -24,41 +24,12 @@ sweep run with ``--kernels auto mma wgmma dequant``. ``choice`` is what
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import numpy as np
 
 LAYERS = ["2048x768", "768x2048", "2048x512", "4096x6144", "14336x4096", "4096x28672",
           "28672x8192", "8192x57344"]
 M_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
-
-
-def read_ceilings(K_dim: int, N: int, ks, reps: int) -> dict[int, float]:
-    """{k: us} of the fastest graph-timed read of the layer's kbit bytes at each k."""
-    import cupy as cp
-    import stream_probe
-
-    from kbit_cupy.bench import harness
-
-    hinted = [f"flat_hint<{u}, {h}>" for u in (4, 8) for h in (0, 1)]
-    mod = cp.RawModule(code=stream_probe.SRC, options=("-std=c++17",), name_expressions=hinted)
-    kern = {n: mod.get_function(n) for n in hinted}
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    words = {k: int(N * K_dim * (k / 8 + 1 / 32)) // 16 for k in ks}
-    buf = cp.random.default_rng(0).integers(0, 2**31, size=max(words.values()) * 4, dtype=cp.uint32)
-    outs = cp.zeros(sms * 16 * 1024, cp.uint32)
-    best = {}
-    for k in ks:
-        times = []
-        for (cps, threads), name in itertools.product(stream_probe.READ_GRIDS, hinted):
-            op = (lambda f=kern[name], g=sms * cps, t=threads, n=words[k], b=buf, o=outs:
-                  f((g,), (t,), (b, cp.int64(n), o)))
-            st = harness.time_graph(op, reps=reps)
-            if st:
-                times.append(st["median_us"])
-        best[k] = min(times)
-    del buf, outs
-    return best
 
 
 def main() -> int:
@@ -75,6 +46,7 @@ def main() -> int:
 
     import cupy as cp
     from latency_kernel import activations_and_cublas, layer_weights, run_info
+    from stream_probe import read_ceilings
 
     from kbit_cupy import kbit_gemm
     from kbit_cupy._arrays import BFLOAT16
@@ -83,12 +55,13 @@ def main() -> int:
 
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
     info = run_info(harness)
+    tbps = _device_tbps()
     records = []
 
     def write() -> None:  # after each layer: a run cut short keeps what it measured
         if not args.out:
             return
-        meta = {**info, "peak_TB_s": _device_tbps(),
+        meta = {**info, "peak_TB_s": tbps,
                 "method": "graph_us: CUDA graphs of (256 MB overwrite, op) pairs minus overwrites, "
                           "median of 10 replays of reps pairs; events_us: TARGETS.md events after "
                           "each overwrite, ops interleaved, median of reps; cuBLAS fp16 through "
@@ -125,7 +98,7 @@ def main() -> int:
                 g = graph[name]["median_us"] if graph[name] else float("nan")
                 e = events[name]["median_us"] if events else float("nan")
                 rec = {"K_dim": K_dim, "N": N, "M": M, "k": k, "kernel": kern, "dtype": args.dtype,
-                       "choice": (choose_kernel(M, N, K_dim, k, dtype, tbps=_device_tbps())
+                       "choice": (choose_kernel(M, N, K_dim, k, dtype, tbps=tbps)
                                   if kern == "auto" else kern),
                        "graph_us": g, "events_us": e, "time_us": g,
                        "speedup": g_base / g, "speedup_events": e_base / e,

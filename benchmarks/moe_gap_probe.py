@@ -37,7 +37,7 @@ def main() -> int:
     p.add_argument("--dense", action="store_true",
                    help="instead: kbit_grouped_gemm against kbit_gemm on a dense layer of the "
                         "touched experts' bytes (their N rows stacked) at M = 1 and at the most "
-                        "rows an expert has, and the read ceiling of those bytes (full_sweep.py)")
+                        "rows an expert has, and the read ceiling of those bytes (stream_probe.py)")
     p.add_argument("--ab", default=None, metavar="NAME=VALUE",
                    help="instead: kbit_grouped_gemm and moe_linear built with the default "
                         "options and with -DNAME=VALUE (or with module.ATTR=VALUE set), timed side "
@@ -127,7 +127,7 @@ def _dense(T, E, top_k, K_dim, N, experts, rng):
     at M = 1 and at the largest rows per expert, and against the fastest read of
     those bytes; each a CUDA graph, printed."""
     import cupy as cp
-    from full_sweep import read_ceilings
+    from stream_probe import read_ceilings
 
     from kbit_cupy import kbit_gemm, kbit_grouped_gemm, quantize_weight
 

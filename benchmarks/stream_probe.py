@@ -146,6 +146,34 @@ __global__ void flat_hint(const uint4* __restrict__ buf, long long n, unsigned* 
 }
 """
 READ_GRIDS = ((1, 1024), (2, 1024), (4, 512), (4, 256), (8, 256), (8, 128), (16, 128))  # (CTAs/SM, threads)
+HINTED = [f"flat_hint<{u}, {h}>" for u in (4, 8) for h in (0, 1)]  # the reads of a layer's bytes
+
+
+def layer_words(K_dim: int, N: int, k: int) -> int:
+    """16-byte words of a K_dim x N layer's kbit bytes at k (E4M4 scales)."""
+    return int(N * K_dim * (k / 8 + 1 / 32)) // 16
+
+
+def read_ceilings(K_dim: int, N: int, ks, reps: int) -> dict[int, float]:
+    """{k: us} of the fastest read of the layer's kbit bytes at each k: every
+    HINTED read over READ_GRIDS, each as CUDA graphs (harness.time_graph)."""
+    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=HINTED)
+    kern = {n: mod.get_function(n) for n in HINTED}
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    words = {k: layer_words(K_dim, N, k) for k in ks}
+    buf = cp.random.default_rng(0).integers(0, 2**31, size=max(words.values()) * 4, dtype=cp.uint32)
+    outs = cp.zeros(sms * 16 * 1024, cp.uint32)
+    best = {}
+    for k in ks:
+        times = []
+        for (cps, threads), name in itertools.product(READ_GRIDS, HINTED):
+            op = (lambda f=kern[name], g=sms * cps, t=threads, n=words[k], b=buf, o=outs:
+                  f((g,), (t,), (b, cp.int64(n), o)))
+            st = bench.time_graph(op, reps=reps)
+            if st:
+                times.append(st["median_us"])
+        best[k] = min(times)
+    return best
 
 
 def main() -> None:
@@ -164,7 +192,7 @@ def main() -> None:
                          "overwrites (harness.time_graph); the layer's reads, an empty kernel (the "
                          "floor of any launch), cuBLAS through its capturable call, kbit_gemm")
     args = ap.parse_args()
-    hinted = [f"flat_hint<{u}, {h}>" for u in (4, 8) for h in (0, 1)]
+    hinted = HINTED
     mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=hinted)
     k_regs, k_bulk = (mod.get_function(n) for n in ("regs", "bulk"))
     k_hint = {n: mod.get_function(n) for n in hinted}
@@ -215,7 +243,7 @@ def main() -> None:
     K_dim, N = (int(v) for v in args.layer.split("x"))
     read_sets = {}  # k -> names of its read configurations
     for k in (2, 3, 4, 5):
-        words = int(N * K_dim * (k / 8 + 1 / 32)) // 16
+        words = layer_words(K_dim, N, k)
         if words > total_words:
             continue
         for (cps, threads), name in itertools.product(READ_GRIDS, hinted):
