@@ -24,8 +24,9 @@ parser.add_argument("--stream-k", action="store_true",
                     help="force the mma kernel's stream-K work split (CTAs ending two segments)")
 parser.add_argument("--only", choices=["mma", "wgmma", "latency", "cluster"],
                     help="one fused kernel (and no cuBLAS)")
-parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5],
-                    help="bit widths of the main sweep (racecheck of one kernel: --k 4 to fit a run)")
+parser.add_argument("--k", type=int, nargs="+", default=None,
+                    help="bit widths (default 2..5; with --large-m --quick: 4; racecheck of one "
+                         "kernel: --k 4 to fit a run)")
 parser.add_argument("--large-m", action="store_true",
                     help="wgmma launches of 129..256 rows and their M chunks only "
                          "(warp-specialised, tensor copies), both work splits")
@@ -69,7 +70,7 @@ if args.large_m:
         large_m_shapes = [(193, 129, 64), (256, 768, 2048), (200, 8449, 96), (250, 1000, 2304),
                           # slab chunks (gemm._wg_slab_chunks): split K, 2 x 256, 2 x 192 (k = 5)
                           (512, 300, 1280), (480, 1000, 2304), (384, 520, 288)]
-        for k in (4,) if quick else (2, 3, 4, 5):
+        for k in args.k or ((4,) if quick else (2, 3, 4, 5)):
             for fmt in ("e4m4",) if quick else ("e4m4", "fp16"):
                 for dtype in (np.float16,) if quick else (np.float16, BFLOAT16):
                     for M, N, K_dim in large_m_shapes[1::2] if quick else large_m_shapes:
@@ -96,7 +97,7 @@ if args.stream_k:  # the fused kernels only, on shapes whose CTAs cross group en
                     count += 1
     print(f"ran {count} cases")
     raise SystemExit(0)
-for k in args.k:
+for k in args.k or (2, 3, 4, 5):
     for fmt in ("e4m4", "fp16"):
         for dtype in (np.float16, BFLOAT16):
             for M, N, K_dim in shapes:
