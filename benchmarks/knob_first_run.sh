@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# The first GPU runs of the two A/B knobs built offline (benchmarks/NOTES-gemm.md:
-# "Half K tiles a warp in the latency launch" and "k = 5 at 256 rows a CTA"), in
-# device calls of under 10 minutes each; results go to $OUT, one file a step.
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh check  # warm, GPU tests, sanitizers (~8 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab     # both A/Bs (~6 min)
-# Where a knob wins, its default changes and the usual proof follows (the GPU
-# tests, the sanitizers without the knob, full_sweep.py); this script is only
-# the first look, so that it costs one or two calls.
+# The first GPU runs of the A/B knobs built offline (benchmarks/NOTES-gemm.md:
+# "Half K tiles a warp in the latency launch", "k = 5 at 256 rows a CTA" and
+# "The scale pair's factor in the codebook"), each step one device call of
+# under 10 minutes; results go to $OUT, one file a step. The A/Bs first: the
+# tests and sanitizers are for the knobs that win.
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-ksplit  # KSPLIT 2 and 4 (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-k5      # k = 5 at 256 rows (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-fold    # the fold (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh check      # GPU tests of all three (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
+# Each step warms the kernel cache it needs first (the machine keeps it while
+# it stays warm; a fresh one starts empty). Where a knob wins, its default
+# changes and the usual proof follows (the GPU tests and sanitizers without the
+# knob, full_sweep.py).
 set -u
 export PYTHONPATH=.:benchmarks PYTHONUNBUFFERED=1
 commit=${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}
@@ -14,8 +21,10 @@ out=${OUT:-/tmp}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$gpu" in *H200*) tag=h200 ;; *H100*) tag=h100 ;; *) tag=gpu ;; esac
 echo "$gpu  commit $commit"
-KSPLIT=KBIT_LATENCY_KSPLIT=2,_jit.GEMM_LATENCY_KSPLIT=2
+KSPLIT2=KBIT_LATENCY_KSPLIT=2,_jit.GEMM_LATENCY_KSPLIT=2
+KSPLIT4=KBIT_LATENCY_KSPLIT=4,_jit.GEMM_LATENCY_KSPLIT=4
 K5=_jit.GEMM_WG_K5_FULL_ROWS=1
+FOLD=KBIT_CB_FOLD=1
 
 # run LIMIT FILE CMD...: CMD under a time limit, its output to $out/FILE (and the
 # last lines here); a step cut off by its limit says so in its file
@@ -25,34 +34,61 @@ run() {
   local rc=$?
   [ "$rc" = 124 ] && echo "TIMED OUT after $limit s: no complete result" >> "$file"
   echo "== $(basename "$file") (rc $rc)"; tail -n 6 "$file"
+  return "$rc"
+}
+# warm [DEFINE] FAMILY...: the kernel cache, with -DDEFINE if given (a marker
+# file skips a warm this machine has done)
+warm() {
+  local define=$1; shift
+  local mark=/tmp/kbit_warm_${define//[^A-Za-z0-9]/_}_$*
+  [ -e "${mark// /_}" ] && return
+  run 150 warm_${tag}.txt python benchmarks/warm_kernel_cache.py --families "$@" -j 16 \
+    ${define:+--define "$define"} && touch "${mark// /_}"
 }
 
 case "${1:-}" in
-  check)
-    run 150 warm_${tag}.txt python benchmarks/warm_kernel_cache.py \
-      --families gemm_mma gemm_latency moe_route -j 16
-    run 150 gpu_tests_knobs_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
-      -k "half_k_tiles or k5_full or slab_chunks"
-    run 100 sanitize_ksplit_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_kernels.py --only latency --define "$KSPLIT"
-    run 100 sanitize_moe_ksplit_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_moe.py --quick --define "$KSPLIT"
-    run 120 sanitize_k5_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_kernels.py --large-m --only wgmma --k 5 --define "$K5" ;;
-  racecheck)  # the slower tool, after check passed (~6 min)
-    run 200 sanitize_ksplit_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
-      python benchmarks/sanitize_kernels.py --quick --only latency --define "$KSPLIT"
-    run 120 sanitize_moe_ksplit_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
-      python benchmarks/sanitize_moe.py --quick --define "$KSPLIT"
-    run 200 sanitize_k5_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
-      python benchmarks/sanitize_kernels.py --quick --large-m --only wgmma --k 5 --define "$K5" ;;
-  ab)
-    run 200 define_ab_${tag}_ksplit_${commit}.txt python benchmarks/define_ab.py --define "$KSPLIT" \
-      --layers 768x2048 2048x768 2048x512 4096x4096 4096x6144 --m 1 4 16 --k 2 3 4 5 --kernel latency
-    run 90 moe_gap_probe_${tag}_ksplit_${commit}.txt python benchmarks/moe_gap_probe.py \
-      --experts 128 --top-k 8 --shape 2048x1536 --t 1 2 --ab "$KSPLIT"
-    run 200 define_ab_${tag}_k5_full_rows_${commit}.txt python benchmarks/define_ab.py --define "$K5" \
+  ab-ksplit)
+    warm "" gemm_latency
+    warm KBIT_LATENCY_KSPLIT=2 gemm_latency
+    warm KBIT_LATENCY_KSPLIT=4 gemm_latency
+    run 280 define_ab_${tag}_ksplit_${commit}.txt python benchmarks/define_ab.py \
+      --define "$KSPLIT2" --define "$KSPLIT4" --layers 768x2048 2048x768 2048x512 4096x4096 \
+      4096x6144 --m 1 4 16 --k 2 3 4 5 --kernel latency
+    for d in "$KSPLIT2" "$KSPLIT4"; do
+      run 80 moe_gap_probe_${tag}_ksplit${d:20:1}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts 128 --top-k 8 --shape 2048x1536 --t 1 2 --ab "$d"
+    done ;;
+  ab-k5)
+    warm "" gemm_mma
+    run 250 define_ab_${tag}_k5_full_rows_${commit}.txt python benchmarks/define_ab.py --define "$K5" \
       --layers 4096x28672 14336x4096 8192x57344 28672x8192 --m 200 256 512 1024 2048 --k 5 \
       --kernel wgmma auto ;;
-  *) echo "usage: $0 check|racecheck|ab" >&2; exit 2 ;;
+  ab-fold)  # k = 4's large-layer launch scales after the multiply: untouched there
+    warm "" gemm_mma gemm_latency
+    warm "$FOLD" gemm_mma gemm_latency
+    run 260 define_ab_${tag}_cb_fold_${commit}.txt python benchmarks/define_ab.py --define "$FOLD" \
+      --layers 4096x28672 14336x4096 8192x57344 28672x8192 --m 1 4 8 16 --k 2 3 4 5
+    run 120 define_ab_${tag}_cb_fold_small_${commit}.txt python benchmarks/define_ab.py \
+      --define "$FOLD" --layers 768x2048 2048x768 4096x4096 --m 1 4 16 --k 2 3 4 5 ;;
+  check)
+    warm "" gemm_mma gemm_latency moe_route
+    warm KBIT_LATENCY_KSPLIT=2 gemm_latency
+    warm KBIT_LATENCY_KSPLIT=4 gemm_latency
+    warm "$FOLD" gemm_mma gemm_latency
+    run 300 gpu_tests_knobs_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      tests/test_experts.py -k "half_k_tiles or k5_full or slab_chunks or codebook_fold" ;;
+  memcheck|racecheck)
+    tool=$1 quick=$([ "$1" = racecheck ] && echo --quick)
+    for d in "$KSPLIT2" "$KSPLIT4"; do
+      n=ksplit${d:20:1}
+      run 100 sanitize_${n}_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
+        python benchmarks/sanitize_kernels.py $quick --only latency --define "$d"
+      run 80 sanitize_moe_${n}_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
+        python benchmarks/sanitize_moe.py --quick --define "$d"
+    done
+    run 120 sanitize_k5_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
+      python benchmarks/sanitize_kernels.py $quick --large-m --k 5 --define "$K5"
+    run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
+      python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|ab-fold|check|memcheck|racecheck" >&2; exit 2 ;;
 esac

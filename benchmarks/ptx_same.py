@@ -9,6 +9,10 @@ prefixes and the parameters past the old count are normalised away, and the
 PTX is compared entry by entry. Same PTX means ptxas builds the same SASS.
 
     python benchmarks/ptx_same.py --family gemm_latency --against 44ed5ba
+    python benchmarks/ptx_same.py --family gemm_latency --against HEAD --define KBIT_LATENCY_KSPLIT=2
+
+``--define NAME=VALUE`` (repeatable) builds both trees with ``-DNAME=VALUE``:
+an A/B knob's other setting, left alone by a change.
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ _DUMP = r"""
 import json, re, sys
 from cupy_backends.cuda.libs import nvrtc
 from kbit_cupy import _jit
-family, arch, names = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+family, arch, names, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 vs = [v for v in _jit.all_variants() if v.family == family and (not names or v.name in names)
       and (arch == "sm_90a" or not _jit.needs_sm90a(v.family, v.args))]
 prog = nvrtc.createProgram(_jit.render_source(family), "kbit.cu", [], [])
 for v in vs:
     nvrtc.addNameExpression(prog, v.name)
-nvrtc.compileProgram(prog, [*_jit.compile_options(), "-ftz=true", f"-arch={arch}"])
+nvrtc.compileProgram(prog, [*_jit.compile_options(), *extra, "-ftz=true", f"-arch={arch}"])
 ptx = nvrtc.getPTX(prog)
 ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
 out = {}
@@ -41,9 +45,11 @@ print(json.dumps({v.name: out[nvrtc.getLoweredName(prog, v.name)] for v in vs}))
 """
 
 
-def _entries(root: str, family: str, arch: str, names: list[str]) -> dict[str, str]:
+def _entries(root: str, family: str, arch: str, names: list[str],
+             extra: tuple[str, ...] = ()) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, "-c", _DUMP, family, arch, json.dumps(names)],
+    done = subprocess.run([sys.executable, "-c", _DUMP, family, arch, json.dumps(names),
+                           json.dumps(list(extra))],
                           cwd=root, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"compiling {family} for {arch} in {root} failed:\n{done.stderr[-2000:]}")
@@ -64,7 +70,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", required=True, help="kernels_src file stem, e.g. gemm_latency")
     p.add_argument("--against", required=True, help="a commit of this repository")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                   help="build both trees with -DNAME=VALUE (repeatable)")
     args = p.parse_args()
+    extra = tuple(f"-D{d}" for d in args.define)
     here = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
     differ = 0
@@ -73,8 +82,8 @@ def main() -> int:
                        check=True)
         try:
             for arch in ("sm_80", "sm_90a"):
-                old = _entries(tmp, args.family, arch, [])
-                new = _entries(here, args.family, arch, sorted(old))
+                old = _entries(tmp, args.family, arch, [], extra)
+                new = _entries(here, args.family, arch, sorted(old), extra)
                 for name, entry in old.items():
                     params = entry.split(")", 1)[0].count(".param")
                     same = _normalised(entry, params) == _normalised(new[name], params)

@@ -1,6 +1,7 @@
 """SASS instruction mix of a gemm_mma variant's main loop (needs cuobjdump).
 
 usage: python benchmarks/sass_loop.py 4:float16:uint8:32:1:2 [...] [--arch sm_90a]
+       [--define KBIT_CB_FOLD=1 ...]   (each variant also built with -DNAME=VALUE)
 The loop is the innermost backward branch whose body holds every HGMMA (or
 HMMA) of the K-tile loop; its opcode counts are per K tile when the body is
 one tile (slab staging: one set of index words, so the loop is not unrolled
@@ -38,18 +39,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("variants", nargs="+", help="k:dtype:scale:m_tiles:rpw:wg")
     parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="also build each variant with -DNAME=VALUE (repeatable: one build each)")
     args = parser.parse_args()
     for text in args.variants:
         family, targs = parse_variant("gemm_mma:" + text)
-        ops = loop_mix(sass_of(family, targs, args.arch))
-        n_mma = ops.get("HGMMA", 0) or ops.get("HMMA", 0)
-        steps = 16 if ops.get("HGMMA") else 16 * targs[3] * targs[4]  # per K tile
-        tiles = n_mma / steps
-        total = sum(ops.values())
-        rpw = 1 if ops.get("HGMMA") else targs[4]  # row tiles a warp: 128 weights a lane each
-        print(f"== gemm_mma<{text}> main loop: {total} instructions, {tiles:g} K tile(s) of {rpw} "
-              f"row tile(s): {total / (128 * rpw * tiles):.2f} per weight per lane")
-        print("   " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
+        for define in [None, *args.define]:
+            ops = loop_mix(sass_of(family, targs, args.arch, (f"-D{define}",) if define else ()))
+            n_mma = ops.get("HGMMA", 0) or ops.get("HMMA", 0)
+            steps = 16 if ops.get("HGMMA") else 16 * targs[3] * targs[4]  # per K tile
+            tiles = n_mma / steps
+            total = sum(ops.values())
+            rpw = 1 if ops.get("HGMMA") else targs[4]  # row tiles a warp: 128 weights a lane each
+            print(f"== gemm_mma<{text}>{f' -D{define}' if define else ''} main loop: {total} "
+                  f"instructions, {tiles:g} K tile(s) of {rpw} row tile(s): "
+                  f"{total / (128 * rpw * tiles):.2f} per weight per lane")
+            print("   " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
 # gemm_latency.cu KBIT_LATENCY_KSPLIT: units of work per K tile (1: a warp takes
-# whole K tiles; 2, for A/B runs built with -DKBIT_LATENCY_KSPLIT=2: half tiles)
+# whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
+# half or quarter tiles)
 GEMM_LATENCY_KSPLIT = 1
 # gemm_latency.cu's cluster split (CLUSTER, sm_90a): n8 tiles per M chunk (a
 # launch covers any M in chunks of 8 * m_tiles rows), warps per CTA at most

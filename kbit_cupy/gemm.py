@@ -1397,10 +1397,11 @@ def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
                      ctas: int) -> tuple[int, int]:
     """(warps per CTA, dynamic shared bytes) of a gemm_latency.cu launch of
     ``ctas`` CTAs staging ``rows`` rows of ``k_tiles`` K tiles: one warp per K
-    tile (per half K tile where the kernel is built with KBIT_LATENCY_KSPLIT =
-    2: _jit.GEMM_LATENCY_KSPLIT) up to GEMM_LATENCY_MAX_WARPS, halved (each
-    warp then takes two or more units) while the CTAs would not all be
-    resident at once: one wave, whose loads are all issued at the start.
+    tile (per half or quarter K tile where the kernel is built with
+    KBIT_LATENCY_KSPLIT = 2 or 4: _jit.GEMM_LATENCY_KSPLIT) up to
+    GEMM_LATENCY_MAX_WARPS, halved (each warp then takes two or more units)
+    while the CTAs would not all be resident at once: one wave, whose loads
+    are all issued at the start.
     ValueError where the rows do not fit the shared memory."""
     stage = rows * k_tiles * K_PER_TILE * itemsize
     warps = min(_jit.GEMM_LATENCY_MAX_WARPS, k_tiles * _jit.GEMM_LATENCY_KSPLIT)

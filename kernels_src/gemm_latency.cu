@@ -70,10 +70,11 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 #define KBIT_LATENCY_STAGE_ALIGN 128
 #endif
 // Units of work per K tile (not with CLUSTER): 1, a warp takes whole K tiles;
-// 2 (for A/B runs, with _jit.GEMM_LATENCY_KSPLIT = 2 on the host, which then
-// gives a CTA up to twice the warps), a warp takes half K tiles: blocks 0..3
-// or 4..7 of a tile, loading only the words, scales and A columns of its
-// half, so a tile's decode is spread over two warps. The stamps of 768x2048
+// 2 or 4 (for A/B runs, with _jit.GEMM_LATENCY_KSPLIT the same on the host,
+// which then gives a CTA up to that many times the warps), a warp takes half
+// or quarter K tiles: blocks 4p .. 4p + 3 (2p, 2p + 1) of a tile, loading only
+// the words, scales and A columns of its part, so a tile's decode is spread
+// over two (four) warps. The stamps of 768x2048
 // at M = 1 (H100, latency_phases_h100_small_ea9e942.txt: 128 CTAs of 3
 // warps) spend 0.73 us of a 2.8 us span on one warp decoding its tile.
 // Other bits than 1 (another order of the K sum), within FORMAT.md section 7.
@@ -253,7 +254,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // Units: local tile u / kSplit, its part u % kSplit (KBIT_LATENCY_KSPLIT);
   // the warp's are units kw, kw + wk, ...
   constexpr int kSplit = CLUSTER ? 1 : KBIT_LATENCY_KSPLIT;
-  static_assert(kSplit == 1 || kSplit == 2, "KBIT_LATENCY_KSPLIT: 1 or 2");
+  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "KBIT_LATENCY_KSPLIT: 1, 2 or 4");
   const int warp_units = warp_tiles * kSplit;
   auto kt_of = [&](int i) { return rank + i * ranks; };
   const int stride = local_tiles * 32;   // chunks per staged row
@@ -274,7 +275,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
         w[4 * q + 2] = v.z;
         w[4 * q + 3] = v.w;
       }
-    } else {
+    } else if constexpr (kSplit == 2) {
       // Half `part` of the lane's index string: words 2K part .. 2K part + 2K - 1
       // (blocks 4 part .. 4 part + 3) into w[0 .. 2K), zeros above. For odd K
       // the second half starts two words into a 16-byte load.
@@ -293,6 +294,37 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
 #pragma unroll
       for (int i = 0; i < 4 * K; ++i)
         w[i] = i >= 2 * K ? 0u : kOdd && part ? buf[i + 2 * kOdd] : buf[i];
+    } else {
+      // Quarter `part`: words K part .. K part + K - 1 (blocks 2 part, 2 part + 1)
+      // into w[0 .. K), zeros above. They start (K part) mod 4 words into a
+      // 16-byte load (0 for K = 4; 0 or 2 for K = 2; any for odd K), and a load
+      // past the tile's K is not issued (it would read the next tile, or past
+      // the array after the last).
+      const int part = u % kSplit;
+      constexpr int kMaxOff = K % 4 == 0 ? 0 : K % 2 == 0 ? 2 : 3;
+      constexpr int kLoads = (K + kMaxOff + 3) / 4;
+      const int q0 = (K * part) >> 2, off = (K * part) & 3;
+      unsigned buf[4 * kLoads];
+#pragma unroll
+      for (int q = 0; q < kLoads; ++q) {
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (q0 + q < K) v = ldg_weight(tiles + (tile * K + q0 + q) * 32 + lane, l2_policy);
+        buf[4 * q] = v.x;
+        buf[4 * q + 1] = v.y;
+        buf[4 * q + 2] = v.z;
+        buf[4 * q + 3] = v.w;
+      }
+#pragma unroll
+      for (int i = 0; i < 4 * K; ++i) {
+        unsigned v = 0u;
+        if (i < K) {
+          v = buf[i];
+#pragma unroll
+          for (int o = 1; o <= kMaxOff; ++o)
+            if (i + o < 4 * kLoads && off == o) v = buf[i + o];
+        }
+        w[i] = v;
+      }
     }
     raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
@@ -361,8 +393,9 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       scale_pair[i] = h | (h << 16);
     }
   }
-  const unsigned cb = Mma<T>::to_bits(cb_lane);
-  const unsigned cb_pair = cb | (Mma<T>::to_bits(cb_hi) << 16);
+  constexpr bool kCbFold = KBIT_CB_FOLD && kAluScale;  // (mma_common.cuh)
+  const unsigned cb = cb_bits<T, kCbFold>(cb_lane);
+  const unsigned cb_pair = cb | (cb_bits<T, kCbFold>(cb_hi) << 16);
   constexpr bool kPairTable = K == 3;
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
@@ -427,8 +460,23 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     }
     unsigned sw_lo[2 * ScaleWord<TScale>::kBytes / 4], sw_hi[2 * ScaleWord<TScale>::kBytes / 4];
     const int lo_lane = 2 * g + (kHalf && upper ? 16 : 0);  // kHalf: the CTA's rows in sw_lo
+    // Lane 2g + s holds the codes of blocks 4s .. 4s + 3 of row g (2g + 16 + s:
+    // row g + 8). kSplit 4: the part's two, brought to the word's first two
+    // (bytes; halves of the first word for float16 scales).
+    if constexpr (kSplit == 4) {
+      const int src = part >> 1;
+      if constexpr (sizeof(TScale) == 1) {
+        const unsigned shift = 16u * (part & 1);
+        sw_lo[0] = __shfl_sync(kFullMask, raw, lo_lane + src) >> shift;
+        if (!kHalf) sw_hi[0] = __shfl_sync(kFullMask, raw, 2 * g + 16 + src) >> shift;
+      } else {
+        const unsigned word = part & 1 ? raw.y : raw.x;
+        sw_lo[0] = __shfl_sync(kFullMask, word, lo_lane + src);
+        if (!kHalf) sw_hi[0] = __shfl_sync(kFullMask, word, 2 * g + 16 + src);
+      }
+    }
 #pragma unroll
-    for (int half = 0; half < 2 / kSplit; ++half) {  // kSplit 2: the part's scales only
+    for (int half = 0; half < (kSplit == 4 ? 0 : 2 / kSplit); ++half) {  // kSplit 2: the part's scales only
       const int src = half + part;
       if constexpr (sizeof(TScale) == 1) {
         sw_lo[half] = __shfl_sync(kFullMask, raw, lo_lane + src);
@@ -461,7 +509,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
           continue;
         }
         // (scale, scale) of row g + 8h, block j
-        const unsigned sp = block_scale_pair<T, TScale, kAluScale>(h ? sw_hi : sw_lo, j, scale_pair);
+        const unsigned sp = block_scale_pair<T, TScale, kAluScale, kCbFold>(h ? sw_hi : sw_lo, j, scale_pair);
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
           const unsigned pair =

@@ -617,12 +617,30 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   bool seg_more = false;
   int base[RPW], next_base[RPW];
 
+  // E4M4 code -> (scale, scale) in T, built once per CTA, except where the
+  // pair is computed instead. fp16 activations: an E4M4 code c as fp16 bits c << 6 is exactly s / 16
+  // (the 15 subnormal codes included), so (s, s) is one byte_perm (c into
+  // both halves), one shift and an HMUL2 by (16, 16), with no shared-memory
+  // load. Measured on the H100 against the table (in-process A/B at 3349606,
+  // same bits): k=2 M=1 +5..9%, k=3 +2%, k=5 +3%, mma M=16 +4.5..6%, wgmma
+  // 0..2%; k=4 on the mma path at one n8 tile -2..7% (kept on the table).
+  // bf16 activations the same way, as bf16 bits c << 3 (s * 2^-116) times
+  // 2^116 (KBIT_BF16_ALU_SCALE, mma_common.cuh, with its measurements).
+  constexpr bool kAluScale =
+      sizeof(TScale) == 1 && (IsHalf<T>::value || KBIT_BF16_ALU_SCALE) &&
+      !(K == 4 && !WG && M_TILES == 1) &&
+      !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
+  // KBIT_CB_FOLD (mma_common.cuh): the pair's factor in the codebook entries,
+  // where the pair is computed and scales the weights.
+  constexpr bool kCbFold = KBIT_CB_FOLD && kAluScale &&
+                           !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
+
   // Lane j holds codebook[j mod 2^K] in T: a shuffle by an index whose bits
   // above K are garbage still finds the right entry.
   // k=2: lane a | b << 2 holds (codebook[a], codebook[b]), so one shuffle
   // by two neighbouring fields gives a pair of weights.
-  const unsigned cb = Mma<T>::to_bits(codebook[lane & ((1 << K) - 1)]);
-  const unsigned cb_pair = cb | (Mma<T>::to_bits(codebook[(lane >> 2) & 3]) << 16);
+  const unsigned cb = cb_bits<T, kCbFold>(codebook[lane & ((1 << K) - 1)]);
+  const unsigned cb_pair = cb | (cb_bits<T, kCbFold>(codebook[(lane >> 2) & 3]) << 16);
 
   // The next tile's index and scale words load while this one computes, into
   // two register sets used in turn (the loop below is unrolled by two, so
@@ -805,19 +823,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 
   // The tables are built while the first loads are in flight; the barrier at
   // the top of the loop orders these writes before any read.
-  // E4M4 code -> (scale, scale) in T, built once per CTA, except where the
-  // pair is computed instead. fp16 activations: an E4M4 code c as fp16 bits c << 6 is exactly s / 16
-  // (the 15 subnormal codes included), so (s, s) is one byte_perm (c into
-  // both halves), one shift and an HMUL2 by (16, 16), with no shared-memory
-  // load. Measured on the H100 against the table (in-process A/B at 3349606,
-  // same bits): k=2 M=1 +5..9%, k=3 +2%, k=5 +3%, mma M=16 +4.5..6%, wgmma
-  // 0..2%; k=4 on the mma path at one n8 tile -2..7% (kept on the table).
-  // bf16 activations the same way, as bf16 bits c << 3 (s * 2^-116) times
-  // 2^116 (KBIT_BF16_ALU_SCALE, mma_common.cuh, with its measurements).
-  constexpr bool kAluScale =
-      sizeof(TScale) == 1 && (IsHalf<T>::value || KBIT_BF16_ALU_SCALE) &&
-      !(K == 4 && !WG && M_TILES == 1) &&
-      !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
   // (none where the scales come after the multiply: kScaleAfter below)
   constexpr bool kScaleTable =
       sizeof(TScale) == 1 && !kAluScale && !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
@@ -906,7 +911,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // the 32-tile variants spilled 112-124 bytes)
     for (int i = threadIdx.x; i < 256 * 8; i += blockDim.x) {
       const int b = i >> 3;
-      const unsigned v = Mma<T>::to_bits(codebook[b & 15]) | (Mma<T>::to_bits(codebook[b >> 4]) << 16);
+      const unsigned v = cb_bits<T, kCbFold>(codebook[b & 15]) | (cb_bits<T, kCbFold>(codebook[b >> 4]) << 16);
       prmt_tab[b * 16 + (i & 7)] = make_uint4(v, v, v, v);
     }
   } else if constexpr (kPrmtTable) {
@@ -933,8 +938,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // slower there).
     for (int i = threadIdx.x; i < kPairs * 8; i += blockDim.x) {
       const int b = i >> 3;
-      const unsigned v = Mma<T>::to_bits(codebook[b & ((1 << K) - 1)]) |
-                         (Mma<T>::to_bits(codebook[b >> K]) << 16);
+      const unsigned v = cb_bits<T, kCbFold>(codebook[b & ((1 << K) - 1)]) |
+                         (cb_bits<T, kCbFold>(codebook[b >> K]) << 16);
       pair_tab[i] = make_uint4(v, v, v, v);
     }
   }
@@ -1420,7 +1425,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         for (int h = 0; h < 2; ++h) {
           // (scale, scale) of row g + 8h, block j
           const unsigned sp = kScaleAfter ? 0u :
-              block_scale_pair<T, TScale, kAluScale>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
+              block_scale_pair<T, TScale, kAluScale, kCbFold>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
           uint2 quad = make_uint2(0u, 0u);
 #pragma unroll
           for (int p = 0; p < 4; ++p) {

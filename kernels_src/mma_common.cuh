@@ -223,22 +223,50 @@ template <> struct IsHalf<__half> { static constexpr bool value = true; };
 #define KBIT_BF16_ALU_SCALE 1
 #endif
 
+// KBIT_CB_FOLD 1 (an A/B knob, default 0): where the scale pair is computed
+// (kAluScale) and multiplies the weights (not the scale after the multiply),
+// the pair's factor (16, 16) in fp16, (2^116, 2^116) in bf16, moves into the
+// codebook entries as the kernel converts them (cb_bits: the entry in T, then
+// times the factor in T), so the pair is the shifted code itself: one HMUL2
+// fewer per block and row. The same bits wherever entry x factor is finite in
+// T (the factor is a power of two: (c 2^a)(s 2^-a) is the same product, rounded
+// once): |codebook entry| <= 4094 (fp16) or about 4080 (bf16). Larger entries
+// overflow to inf: the host must keep such codebooks off the knob.
+#ifndef KBIT_CB_FOLD
+#define KBIT_CB_FOLD 0
+#endif
+template <typename T> struct ScaleFold;  // the scale pair's (factor, factor) in T
+template <> struct ScaleFold<__half> { static constexpr unsigned kPair = 0x4c004c00u; };
+template <> struct ScaleFold<__nv_bfloat16> { static constexpr unsigned kPair = 0x79807980u; };
+
+// A codebook entry as T bits (low half), times the scale pair's factor where
+// kFold (KBIT_CB_FOLD): exact, the high half 0 x factor stays 0.
+template <typename T, bool kFold>
+__device__ __forceinline__ unsigned cb_bits(float c) {
+  const unsigned b = Mma<T>::to_bits(c);
+  if constexpr (kFold) return Mma<T>::mul2(b, ScaleFold<T>::kPair);
+  return b;
+}
+
 // (scale, scale) in T of block j (0..7) of one row, from the lane's scale
 // words of that row `sw` (E4M4: 4 codes per word; fp16: 2 per word): with
 // kAluScale (E4M4 scales) computed, an E4M4 code c as fp16 bits c << 6 being
 // exactly s / 16 (byte_perm c into both halves, shift, HMUL2 by (16, 16)),
-// as bf16 bits c << 3 exactly s * 2^-116 (HMUL2 by (2^116, 2^116)); else
+// as bf16 bits c << 3 exactly s * 2^-116 (HMUL2 by (2^116, 2^116)); kFold
+// (KBIT_CB_FOLD: the factor is in the codebook) without the HMUL2; else
 // from the 256-entry table `scale_pair` (E4M4) or converted (fp16 scales).
-template <typename T, typename TScale, bool kAluScale>
+template <typename T, typename TScale, bool kAluScale, bool kFold = false>
 __device__ __forceinline__ unsigned block_scale_pair(const unsigned* sw, int j,
                                                      const unsigned* scale_pair) {
   if constexpr (sizeof(TScale) == 1) {
     if constexpr (kAluScale) {
       const unsigned sel = 0x4040u | ((j & 3) << 8) | (j & 3);  // byte j & 3 -> bytes 0, 2
+      if constexpr (kFold)
+        return __byte_perm(sw[j >> 2], 0u, sel) << (IsHalf<T>::value ? 6 : 3);
       if constexpr (IsHalf<T>::value)
-        return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 6, 0x4c004c00u);  // x (16, 16)
+        return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 6, ScaleFold<T>::kPair);  // x (16, 16)
       else  // bf16: the bits c << 3 are s * 2^-116 (subnormal codes too), times (2^116, 2^116)
-        return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 3, 0x79807980u);
+        return Mma<T>::mul2(__byte_perm(sw[j >> 2], 0u, sel) << 3, ScaleFold<T>::kPair);
     } else {
       return scale_pair[(sw[j >> 2] >> (8 * (j & 3))) & 0xffu];
     }

@@ -768,3 +768,35 @@ def test_gpu_routing_inside_the_launch_gives_the_same_bits_as_the_routing_launch
     monkeypatch.setattr(experts_module, "_FUSED_ROUTE_MAX_PAIRS", 0)
     launched = cp.asnumpy(moe_linear(x, ids, ex))
     assert np.array_equal(fused.view(np.uint16), launched.view(np.uint16))
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+def test_gpu_moe_codebook_fold_same_bits(dtype, monkeypatch):
+    """The MoE launches (the routed latency kernel, the grouped mma.sync and
+    Hopper launches, the 8-warp one) built with KBIT_CB_FOLD=1 (an A/B knob,
+    mma_common.cuh) give the same bits as the default build, at k = 2..5."""
+    import cupy as cp
+
+    from kbit_cupy import _jit
+    from kbit_cupy import experts as experts_module
+    from kbit_cupy.gemm import has_wgmma
+
+    cases = [(64, 256, 2048, 1, 8), (16, 300, 288, 130, 8), (4, 96, 512, 300, 2),
+             (128, 100, 256, 512, 8)]
+    saved = _jit.compile_options
+    outs = {}
+    for fold in (0, 1):
+        monkeypatch.setattr(_jit, "compile_options",
+                            lambda fold=fold: (*saved(), *(("-DKBIT_CB_FOLD=1",) if fold else ())))
+        monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
+        for wg in (False, True) if has_wgmma() else (False,):
+            monkeypatch.setattr(experts_module, "_GROUPED_WG", wg)
+            for case in cases:
+                for k in (2, 3, 4, 5):
+                    ex, x, ids = _device_case(*case, k, dtype, seed=k)
+                    outs[fold, wg, case, k] = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
+    for key, got in outs.items():
+        if key[0] == 1:
+            same = got.view(np.uint16) == outs[(0, *key[1:])].view(np.uint16)
+            assert same.all(), (key, int((~same).sum()))

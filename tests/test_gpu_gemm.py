@@ -179,22 +179,25 @@ def test_latency_half_tiles_same_bits_as_whole_tiles(monkeypatch, dtype, fmt):
         assert (outs[0].view(cp.uint16) == outs[2].view(cp.uint16)).all(), (M, N, K_dim, k)
 
 
+@pytest.mark.parametrize("ksplit", [2, 4])
 @pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_latency_half_k_tiles(monkeypatch, dtype, fmt):
-    """gemm_latency.cu built with KBIT_LATENCY_KSPLIT=2 (an A/B knob: each
-    warp takes half K tiles, the host gives the CTA up to twice the warps):
-    exact to the reference at every k (odd k: the second half starts inside a
-    16-byte load), whole and half row tiles, fewer warps than units (the
-    register double buffer), M up to 16, every element written, the same bits
-    again."""
+def test_latency_half_k_tiles(monkeypatch, dtype, fmt, ksplit):
+    """gemm_latency.cu built with KBIT_LATENCY_KSPLIT=2 or 4 (an A/B knob:
+    each warp takes half or quarter K tiles, the host gives the CTA up to that
+    many times the warps): exact to the reference at every k (a part that
+    starts inside a 16-byte load: odd k, and k = 2 at quarters; a quarter
+    whose words end in the tile's last load), whole and half row tiles, fewer
+    warps than units (the register double buffer), M up to 16, every element
+    written, the same bits again."""
     import cupy as cp
 
     from kbit_cupy import _jit, gemm
 
     saved = _jit.compile_options
-    monkeypatch.setattr(_jit, "compile_options", lambda: (*saved(), "-DKBIT_LATENCY_KSPLIT=2"))
-    monkeypatch.setattr(_jit, "GEMM_LATENCY_KSPLIT", 2)
+    monkeypatch.setattr(_jit, "compile_options",
+                        lambda: (*saved(), f"-DKBIT_LATENCY_KSPLIT={ksplit}"))
+    monkeypatch.setattr(_jit, "GEMM_LATENCY_KSPLIT", ksplit)
     monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
     for max_warps, half in ((16, 0), (16, 2), (3, 0)):
         monkeypatch.setattr(gemm._jit, "GEMM_LATENCY_MAX_WARPS", max_warps)
@@ -204,6 +207,51 @@ def test_latency_half_k_tiles(monkeypatch, dtype, fmt):
             w, A, C = run_case(M, N, K_dim, k, dtype, "latency", fmt=fmt, seed=N)
             again = kbit_gemm(cp.asarray(A), w, kernel="latency")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_codebook_fold_same_bits(monkeypatch, dtype):
+    """gemm_mma.cu and gemm_latency.cu built with KBIT_CB_FOLD=1 (an A/B knob:
+    the scale pair's factor moved into the codebook entries) give the same
+    bits as the default build, on every kernel and the launches whose decode
+    differs (the k = 2 byte table's 8 warps, k = 5's 16, slab staging, half
+    tiles), for random index strings, every E4M4 code and codebooks with
+    entries in fp16's subnormal range and up to 2048."""
+    import cupy as cp
+
+    from kbit_cupy import KbitWeight, _jit, create_normal_float_codebook
+
+    rng = np.random.default_rng(5)
+    cases = [("latency", 1, 2048, 768), ("latency", 16, 129, 800), ("cluster", 40, 768, 2048),
+             ("mma", 1, 1024, 8192), ("mma", 16, 1024, 8192), ("mma", 33, 300, 512),
+             ("wgmma", 64, 520, 288), ("wgmma", 200, 300, 1280), ("wgmma", 256, 768, 2048)]
+    codebooks = {k: [create_normal_float_codebook(k),
+                     np.concatenate([[2048.0, -3e-6, 1e-7], rng.uniform(-1, 1, 2**k - 3)])]
+                 for k in (2, 3, 4, 5)}
+    inputs = []
+    for kernel, M, N, K_dim in cases:
+        needs_kernel(kernel)
+        blocks = N * K_dim // 32
+        for k in (2, 3, 4, 5):
+            for cb in codebooks[k]:
+                packed = rng.integers(0, 2**32, blocks * k, dtype=np.uint64).astype(np.uint32)
+                codes = rng.integers(0, 256, blocks, dtype=np.uint8)  # every E4M4 code
+                A = (rng.standard_normal((M, K_dim)) * 0.01).astype(np.dtype(dtype))
+                inputs.append((kernel, k, KbitWeight(packed, codes, cb.astype(np.float32), k,
+                                                     (N, K_dim)), A))
+    saved = _jit.compile_options
+    outs = {}
+    for fold in (0, 1):  # (the default build as it runs: its kernels may be cached)
+        monkeypatch.setattr(_jit, "compile_options",
+                            lambda fold=fold: (*saved(), *(("-DKBIT_CB_FOLD=1",) if fold else ())))
+        monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
+        for i, (kernel, k, w, A) in enumerate(inputs):
+            wd = w.to_device()  # a fresh weight: no launch plans of the other build
+            out = cp.full((A.shape[0], w.shape[0]), np.nan, dtype=np.dtype(dtype))
+            outs[fold, i] = cp.asnumpy(kbit_gemm(cp.asarray(A), wd, out=out, kernel=kernel))
+    for i, (kernel, k, w, A) in enumerate(inputs):
+        same = outs[0, i].view(np.uint16) == outs[1, i].view(np.uint16)
+        assert same.all(), (kernel, k, A.shape, w.shape, int((~same).sum()))
 
 
 @pytest.mark.parametrize("M", [1, 17, 64, 100, 257])
