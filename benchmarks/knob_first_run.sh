@@ -40,10 +40,11 @@ run() {
 # file skips a warm this machine has done)
 warm() {
   local define=$1; shift
-  local mark=/tmp/kbit_warm_${define//[^A-Za-z0-9]/_}_$*
-  [ -e "${mark// /_}" ] && return
-  run 150 warm_${tag}.txt python benchmarks/warm_kernel_cache.py --families "$@" -j 16 \
-    ${define:+--define "$define"} && touch "${mark// /_}"
+  local label=${define:-default}_$*
+  label=${label//[^A-Za-z0-9]/_}
+  [ -e "/tmp/kbit_warm_$label" ] && return
+  run 150 warm_${tag}_${label}.txt python benchmarks/warm_kernel_cache.py --families "$@" -j 16 \
+    ${define:+--define "$define"} && touch "/tmp/kbit_warm_$label"
 }
 
 case "${1:-}" in
