@@ -772,24 +772,20 @@ def test_gpu_routing_inside_the_launch_gives_the_same_bits_as_the_routing_launch
 
 @gpu_test
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
-def test_gpu_moe_codebook_fold_same_bits(dtype, monkeypatch):
+def test_gpu_moe_codebook_fold_same_bits(dtype, monkeypatch, kernels_built_with):
     """The MoE launches (the routed latency kernel, the grouped mma.sync and
     Hopper launches, the 8-warp one) built with KBIT_CB_FOLD=1 (an A/B knob,
     mma_common.cuh) give the same bits as the default build, at k = 2..5."""
     import cupy as cp
 
-    from kbit_cupy import _jit
     from kbit_cupy import experts as experts_module
     from kbit_cupy.gemm import has_wgmma
 
     cases = [(64, 256, 2048, 1, 8), (16, 300, 288, 130, 8), (4, 96, 512, 300, 2),
              (128, 100, 256, 512, 8)]
-    saved = _jit.compile_options
     outs = {}
     for fold in (0, 1):
-        monkeypatch.setattr(_jit, "compile_options",
-                            lambda fold=fold: (*saved(), *(("-DKBIT_CB_FOLD=1",) if fold else ())))
-        monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
+        kernels_built_with(*(("-DKBIT_CB_FOLD=1",) if fold else ()))
         for wg in (False, True) if has_wgmma() else (False,):
             monkeypatch.setattr(experts_module, "_GROUPED_WG", wg)
             for case in cases:

@@ -182,7 +182,7 @@ def test_latency_half_tiles_same_bits_as_whole_tiles(monkeypatch, dtype, fmt):
 @pytest.mark.parametrize("ksplit", [2, 4])
 @pytest.mark.parametrize("fmt", ["e4m4", "fp16"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_latency_half_k_tiles(monkeypatch, dtype, fmt, ksplit):
+def test_latency_half_k_tiles(monkeypatch, kernels_built_with, dtype, fmt, ksplit):
     """gemm_latency.cu built with KBIT_LATENCY_KSPLIT=2 or 4 (an A/B knob:
     each warp takes half or quarter K tiles, the host gives the CTA up to that
     many times the warps): exact to the reference at every k (a part that
@@ -194,11 +194,8 @@ def test_latency_half_k_tiles(monkeypatch, dtype, fmt, ksplit):
 
     from kbit_cupy import _jit, gemm
 
-    saved = _jit.compile_options
-    monkeypatch.setattr(_jit, "compile_options",
-                        lambda: (*saved(), f"-DKBIT_LATENCY_KSPLIT={ksplit}"))
+    kernels_built_with(f"-DKBIT_LATENCY_KSPLIT={ksplit}")
     monkeypatch.setattr(_jit, "GEMM_LATENCY_KSPLIT", ksplit)
-    monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
     for max_warps, half in ((16, 0), (16, 2), (3, 0)):
         monkeypatch.setattr(gemm._jit, "GEMM_LATENCY_MAX_WARPS", max_warps)
         monkeypatch.setattr(gemm, "_LATENCY_HALF_TILES", half)
@@ -210,7 +207,7 @@ def test_latency_half_k_tiles(monkeypatch, dtype, fmt, ksplit):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_codebook_fold_same_bits(monkeypatch, dtype):
+def test_codebook_fold_same_bits(kernels_built_with, dtype):
     """gemm_mma.cu and gemm_latency.cu built with KBIT_CB_FOLD=1 (an A/B knob:
     the scale pair's factor moved into the codebook entries) give the same
     bits as the default build, on every kernel and the launches whose decode
@@ -219,7 +216,7 @@ def test_codebook_fold_same_bits(monkeypatch, dtype):
     entries in fp16's subnormal range and up to 2048."""
     import cupy as cp
 
-    from kbit_cupy import KbitWeight, _jit, _launch, create_normal_float_codebook
+    from kbit_cupy import KbitWeight, _launch, create_normal_float_codebook
     from kbit_cupy.gemm import has_wgmma
 
     rng = np.random.default_rng(5)
@@ -241,12 +238,9 @@ def test_codebook_fold_same_bits(monkeypatch, dtype):
                 A = (rng.standard_normal((M, K_dim)) * 0.01).astype(np.dtype(dtype))
                 inputs.append((kernel, k, KbitWeight(packed, codes, cb.astype(np.float32), k,
                                                      (N, K_dim)), A))
-    saved = _jit.compile_options
     outs = {}
-    for fold in (0, 1):  # (the default build as it runs: its kernels may be cached)
-        monkeypatch.setattr(_jit, "compile_options",
-                            lambda fold=fold: (*saved(), *(("-DKBIT_CB_FOLD=1",) if fold else ())))
-        monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
+    for fold in (0, 1):
+        kernels_built_with(*(("-DKBIT_CB_FOLD=1",) if fold else ()))
         for i, (kernel, k, w, A) in enumerate(inputs):
             wd = w.to_device()  # a fresh weight: no launch plans of the other build
             out = cp.full((A.shape[0], w.shape[0]), np.nan, dtype=np.dtype(dtype))
