@@ -213,18 +213,21 @@ GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations s
 # k = 5 with E4M4 scales at 32 n8 tiles (256 rows a CTA). It once spilled;
 # compiled offline on 2026-11-28 it has no spill (168 registers, the entry cap
 # its setmaxnreg budgets need), while k = 5 and k = 2 with float16 scales
-# still spill 140 and 120 bytes there. Not measured on a GPU yet: off, for A/B
-# runs (True: kbit_gemm runs k = 5's 129..256 rows and slab chunks at 256 rows
-# instead of 192). The compile check builds it either way.
-GEMM_WG_K5_FULL_ROWS = False
+# still spill 140 and 120 bytes there. On (True): kbit_gemm runs k = 5's
+# 129..256 rows as one launch and its slab chunks at 256 rows instead of 192.
+# Its A/B on the H200 (results/define_ab_h200_k5_full_rows_c48bd03.txt, fp16,
+# four large layers, 200..2048 rows, kernel-only): wgmma 1.14-1.62x faster at
+# every point (28672x8192 at 512 rows 589 -> 363 us, 0.52x -> 0.85x cuBLAS).
+# Not measured on the H100 (none lent that session); the same SASS runs there.
+# False keeps the 192-row launches for A/B runs. The compile check builds both.
+GEMM_WG_K5_FULL_ROWS = True
 
 
 def gemm_wg_m_tiles(k: int, scale: str) -> tuple[int, ...]:
     """The wgmma variants' n8 tiles for ``k`` and the scale dtype name: all of
     GEMM_WG_M_TILES except 32 where its 128 accumulators spill (k = 2 and 5
-    with float16 scales: 120-140 bytes) or where it is not yet measured (k = 5
-    with E4M4 scales, unless GEMM_WG_K5_FULL_ROWS); those launch 192 rows at a
-    time."""
+    with float16 scales: 120-140 bytes) and for k = 5 with E4M4 scales when
+    GEMM_WG_K5_FULL_ROWS is off (A/B runs); those launch 192 rows at a time."""
     if (k == 5 and not (GEMM_WG_K5_FULL_ROWS and scale == "uint8")) or (k == 2 and scale == "float16"):
         return tuple(t for t in GEMM_WG_M_TILES if t <= 24)
     return GEMM_WG_M_TILES

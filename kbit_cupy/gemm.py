@@ -792,6 +792,14 @@ def has_wgmma() -> bool:
 #   H100, 0.95-1.01x on the H200; at 4096 0.95-1.02x (bf16 1.02 on
 #   4096x28672) and 0.97-1.04x. So wgmma to 4096 rows. k = 5 (192-row
 #   chunks) lost from 1024 rows (0.60-0.69x against 0.73x): its rows stay.
+# - k = 5's wg_max on "large" layers of the H200 since its 256-row launches
+#   (_jit.GEMM_WG_K5_FULL_ROWS), in one process against the 192-row launches
+#   and dequantize + cuBLAS (results/define_ab_h200_k5_full_rows_c48bd03.txt,
+#   fp16, 4096x28672, 14336x4096, 8192x57344, 28672x8192, kernel-only): wgmma
+#   faster than dequantize + cuBLAS at 200..1024 rows on all four (at 1024:
+#   0.84-0.86x cuBLAS against 0.76-0.79x; at 512 0.75-0.86x against
+#   0.52-0.65x), 2-5% slower at 2048. So wgmma to 1024 rows there (it was
+#   256 and 512). The H100's rows are unchanged: not measured since.
 #   Mid (4096x6144): wgmma 0.77-0.80x at 512 rows (96 group-chunks) against
 #   0.62-0.66x; at 1024 (192 group-chunks: 1.45 waves of one CTA an SM)
 #   0.70-0.72x against 0.74-0.78x; at 384 (launches of 256 and 128 rows)
@@ -830,6 +838,9 @@ _MID_LATENCY = (1 << 24) + 1  # weights: 4096x4096 and below, of the "mid" layer
 # slab chunks (_wg_slab_chunks; see the table's notes)
 _WG_LARGE_MAX = 4096
 _WG_MID_MAX = 4096
+# k = 5's last wgmma rows on "large" layers (sm_90) on the H200 since its
+# 256-row launches (_jit.GEMM_WG_K5_FULL_ROWS; see the table's notes)
+_WG_K5_LARGE_MAX = 1024
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
@@ -840,8 +851,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), min_weights=_HUGE),
     DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=False),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(3, 4), min_weights=_HUGE),
-    DispatchRule(True, "large", 8, 256, ks=(5,), max_weights=_HUGE, min_tbps=_FAST_TBPS),
-    DispatchRule(True, "large", 8, 512, ks=(5,), min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, _WG_K5_LARGE_MAX, ks=(5,), min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512, ks=(5,)),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX),

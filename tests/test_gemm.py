@@ -465,8 +465,12 @@ def test_large_m_takes_wgmma_slab_chunks_to_4096_rows(gpu):
         checked += 1
     assert checked >= 100, checked
     assert worst <= (1.08 if gpu == "h200" else 1.06), worst
-    for tbps in (3.35, 4.8):  # k = 5: its rows before the chunks
-        assert choose_kernel(1024, 28672, 4096, 5, "float16", wgmma=True, tbps=tbps) == "dequant"
+    # k = 5: the H100's rows before the chunks; the H200's since its 256-row
+    # launches (_jit.GEMM_WG_K5_FULL_ROWS), wgmma to 1024 rows
+    assert choose_kernel(1024, 28672, 4096, 5, "float16", wgmma=True, tbps=3.35) == "dequant"
+    assert choose_kernel(1024, 28672, 4096, 5, "float16", wgmma=True, tbps=4.8) == "wgmma"
+    assert choose_kernel(1025, 28672, 4096, 5, "float16", wgmma=True, tbps=4.8) == "dequant"
+    for tbps in (3.35, 4.8):
         assert choose_kernel(4096, 28672, 4096, 4, "bfloat16", wgmma=True, tbps=tbps) == "wgmma"
         assert choose_kernel(4097, 28672, 4096, 4, "float16", wgmma=True, tbps=tbps) == "dequant"
 
