@@ -399,20 +399,26 @@ def test_wgmma_m_chunks(monkeypatch, dtype, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_wgmma_k5_full_rows_one_launch(monkeypatch, dtype):
-    """k = 5 at 193..256 rows with _jit.GEMM_WG_K5_FULL_ROWS (an A/B knob):
-    one launch of the 256-row variant instead of 192 rows and the rest; close
-    to the reference, every element written, the same bits again."""
+    """k = 5 at 193..256 rows with _jit.GEMM_WG_K5_FULL_ROWS (on by default;
+    False is the A/B run's 192-row launches): one launch of the 256-row
+    variant instead of 192 rows and the rest; close to the reference, every
+    element written, the same bits again. The M chunks (gemm._WG_M_CHUNKS,
+    which run a small layer's 193..256 rows as one launch of 64-row chunks
+    whatever the scales) are off, so the rows a launch takes are the
+    variant's."""
     import cupy as cp
 
-    from kbit_cupy import _jit
+    from kbit_cupy import _jit, gemm
 
     needs_kernel("wgmma")
     monkeypatch.setattr(_jit, "GEMM_WG_K5_FULL_ROWS", True)
+    monkeypatch.setattr(gemm, "_WG_M_CHUNKS", 0)
     for M, N, K_dim in [(256, 300, 512), (200, 1000, 2304), (193, 129, 64)]:
         for fmt in ("e4m4", "fp16"):  # fp16 scales keep their 192-row launches
             w, A, C = run_case(M, N, K_dim, 5, dtype, "wgmma", fmt=fmt, seed=M)
             plan = next(p for p in w._plans.values() if p.choice == "wgmma")
-            assert len(plan.launches) == (1 if fmt == "e4m4" else 2), (M, fmt, plan.launches)
+            rows = [launch[2] for launch in plan.launches]
+            assert rows == ([M] if fmt == "e4m4" else [192, M - 192]), (M, fmt, rows)
             again = kbit_gemm(cp.asarray(A), w, kernel="wgmma")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim, fmt)
 
