@@ -235,16 +235,34 @@ template <> struct IsHalf<__half> { static constexpr bool value = true; };
 #ifndef KBIT_CB_FOLD
 #define KBIT_CB_FOLD 0
 #endif
-template <typename T> struct ScaleFold;  // the scale pair's (factor, factor) in T
-template <> struct ScaleFold<__half> { static constexpr unsigned kPair = 0x4c004c00u; };
-template <> struct ScaleFold<__nv_bfloat16> { static constexpr unsigned kPair = 0x79807980u; };
+template <typename T> struct ScaleFold;  // the scale pair's (factor, factor) in T, the factor in float
+template <> struct ScaleFold<__half> {
+  static constexpr unsigned kPair = 0x4c004c00u;
+  static constexpr float kFactor = 16.0f;
+};
+template <> struct ScaleFold<__nv_bfloat16> {
+  static constexpr unsigned kPair = 0x79807980u;
+  static constexpr float kFactor = 8.3076749736557242e34f;  // 2^116
+};
 
 // A codebook entry as T bits (low half), times the scale pair's factor where
-// kFold (KBIT_CB_FOLD): exact, the high half 0 x factor stays 0.
+// kFold (KBIT_CB_FOLD): the entry rounded to T (subnormal entries too), then
+// times the factor in float, exact, and back to T, exact. (An HMUL2 of the
+// zero-extended bits by kPair was miscompiled by ptxas 13.0 in
+// gemm_latency.cu's k = 2 one-tile variant: the high half it left was an
+// earlier register's, ORed into the k = 2 pair; H200, f5c0d49.) bf16 entries
+// below float's normal range (2^-126) flush to zero under -ftz here.
 template <typename T, bool kFold>
 __device__ __forceinline__ unsigned cb_bits(float c) {
   const unsigned b = Mma<T>::to_bits(c);
-  if constexpr (kFold) return Mma<T>::mul2(b, ScaleFold<T>::kPair);
+  if constexpr (kFold) {
+    float r;
+    if constexpr (IsHalf<T>::value)
+      r = __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+    else
+      r = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+    return Mma<T>::to_bits(r * ScaleFold<T>::kFactor);
+  }
   return b;
 }
 
