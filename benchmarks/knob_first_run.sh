@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The first GPU runs of the A/B knobs built offline (benchmarks/NOTES-gemm.md:
+# The GPU runs of the A/B knobs built offline (benchmarks/NOTES-gemm.md:
 # "Half K tiles a warp in the latency launch", "k = 5 at 256 rows a CTA" and
-# "The scale pair's factor in the codebook"), each step one device call of
-# under 10 minutes; results go to $OUT, one file a step. The A/Bs first: the
-# tests and sanitizers are for the knobs that win.
+# "The scale pair's factor in the codebook"; their first H200 runs: "The
+# knobs' first GPU runs"), each step one device call of under 10 minutes;
+# results go to $OUT, one file a step. k = 5 at 256 rows is on by default
+# since 7cf8d0a: ab-k5 runs the A/B the other way (=0, the 192-row launches),
+# for a GPU that has not run it (the H100).
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-ksplit  # KSPLIT 2 and 4 (~9 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-k5      # k = 5 at 256 rows (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-k5      # k = 5 at 192 rows against 256 (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-fold    # the fold (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh check      # GPU tests of all three (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
@@ -23,7 +25,7 @@ case "$gpu" in *H200*) tag=h200 ;; *H100*) tag=h100 ;; *) tag=gpu ;; esac
 echo "$gpu  commit $commit"
 KSPLIT2=KBIT_LATENCY_KSPLIT=2,_jit.GEMM_LATENCY_KSPLIT=2
 KSPLIT4=KBIT_LATENCY_KSPLIT=4,_jit.GEMM_LATENCY_KSPLIT=4
-K5=_jit.GEMM_WG_K5_FULL_ROWS=1
+K5_OFF=_jit.GEMM_WG_K5_FULL_ROWS=0
 FOLD=KBIT_CB_FOLD=1
 
 # run LIMIT FILE CMD...: CMD under a time limit, its output to $out/FILE (and the
@@ -61,7 +63,7 @@ case "${1:-}" in
     done ;;
   ab-k5)
     warm "" gemm_mma
-    run 250 define_ab_${tag}_k5_full_rows_${commit}.txt python benchmarks/define_ab.py --define "$K5" \
+    run 250 define_ab_${tag}_k5_192_rows_${commit}.txt python benchmarks/define_ab.py --define "$K5_OFF" \
       --layers 4096x28672 14336x4096 8192x57344 28672x8192 --m 200 256 512 1024 2048 --k 5 \
       --kernel wgmma auto ;;
   ab-fold)  # k = 4's large-layer launch scales after the multiply: untouched there
@@ -88,7 +90,7 @@ case "${1:-}" in
         python benchmarks/sanitize_moe.py --quick --define "$d"
     done
     run 120 sanitize_k5_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
-      python benchmarks/sanitize_kernels.py $quick --large-m --k 5 --define "$K5"
+      python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
   *) echo "usage: $0 ab-ksplit|ab-k5|ab-fold|check|memcheck|racecheck" >&2; exit 2 ;;

@@ -797,9 +797,12 @@ def has_wgmma() -> bool:
 #   and dequantize + cuBLAS (results/define_ab_h200_k5_full_rows_c48bd03.txt,
 #   fp16, 4096x28672, 14336x4096, 8192x57344, 28672x8192, kernel-only): wgmma
 #   faster than dequantize + cuBLAS at 200..1024 rows on all four (at 1024:
-#   0.84-0.86x cuBLAS against 0.76-0.79x; at 512 0.75-0.86x against
-#   0.52-0.65x), 2-5% slower at 2048. So wgmma to 1024 rows there (it was
-#   256 and 512). The H100's rows are unchanged: not measured since.
+#   0.84-0.86x cuBLAS against 0.76-0.79x; at 512 0.75-0.86x against the
+#   0.52-0.65x of what auto ran before, 192-row wgmma or dequantize +
+#   cuBLAS), 2-5% slower at 2048. So wgmma to 1024 rows there (it was 256
+#   and 512); results/dispatch_k5_h200_7cf8d0a_float16.md, every kernel at
+#   16..4096 rows: auto within 0.2% of the fastest at every point. The
+#   H100's rows are unchanged: not measured since.
 #   Mid (4096x6144): wgmma 0.77-0.80x at 512 rows (96 group-chunks) against
 #   0.62-0.66x; at 1024 (192 group-chunks: 1.45 waves of one CTA an SM)
 #   0.70-0.72x against 0.74-0.78x; at 384 (launches of 256 and 128 rows)

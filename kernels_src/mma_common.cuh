@@ -248,10 +248,11 @@ template <> struct ScaleFold<__nv_bfloat16> {
 // A codebook entry as T bits (low half), times the scale pair's factor where
 // kFold (KBIT_CB_FOLD): the entry rounded to T (subnormal entries too), then
 // times the factor in float, exact, and back to T, exact. (An HMUL2 of the
-// zero-extended bits by kPair was miscompiled by ptxas 13.0 in
-// gemm_latency.cu's k = 2 one-tile variant: the high half it left was an
-// earlier register's, ORed into the k = 2 pair; H200, f5c0d49.) bf16 entries
-// below float's normal range (2^-126) flush to zero under -ftz here.
+// zero-extended bits by kPair gave garbage in gemm_latency.cu's k = 2
+// one-tile variant on the H200 at f5c0d49: in the SASS of ptxas 13.0 the
+// product's high half was an earlier register's, ORed into the k = 2 pair;
+// the PTX reads right.) bf16 entries below float's normal range (2^-126)
+// flush to zero under -ftz here.
 template <typename T, bool kFold>
 __device__ __forceinline__ unsigned cb_bits(float c) {
   const unsigned b = Mma<T>::to_bits(c);

@@ -171,11 +171,19 @@ def test_codebook_fold_gives_the_same_effective_weights():
     # KBIT_CB_FOLD (mma_common.cuh, an A/B knob) moves the scale pair's factor
     # into the codebook entries: the kernel then multiplies (c * F) by the bare
     # code bits (s / F) instead of c by (s / F) * F, F = 16 (fp16) or 2**116
-    # (bf16). For every fp16 entry up to 4094 in magnitude (and bf16 entries up
-    # to 4080, sampled) and all 256 E4M4 codes, the effective weight must have
-    # the same bits as today's; past those limits c * F overflows, which the
-    # kernel's comment says the host must keep off the knob.
+    # (bf16). cb_bits forms c * F as the kernel does: c rounded to T, widened
+    # to float, times F in float (flushing a float subnormal to zero: -ftz),
+    # rounded to T. For every fp16 entry up to 4094 in magnitude (and bf16
+    # entries from 2^-126 up to 4080, sampled) and all 256 E4M4 codes, the
+    # effective weight must have the same bits as today's; past those limits
+    # c * F overflows (or a bf16 entry below 2^-126 flushes to zero), which
+    # the kernel's comment says the host must keep off the knob.
     import ml_dtypes
+
+    def folded_entry(c, t, factor):  # cb_bits<T, true>
+        r = c.astype(np.float32)
+        r = np.where(np.abs(r) < np.float32(2.0**-126), np.copysign(np.float32(0), r), r)  # -ftz
+        return (r * np.float32(factor)).astype(t)
 
     u = np.arange(256, dtype=np.uint16)
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
@@ -183,15 +191,17 @@ def test_codebook_fold_gives_the_same_effective_weights():
     s_over_16 = (u << 6).view(np.float16)
     with np.errstate(over="ignore"):  # c * s past 65504 is inf either way (bits compared)
         today = c[:, None] * (s_over_16 * np.float16(16))[None, :]  # one rounding of an exact product
-        folded = (c * np.float16(16))[:, None] * s_over_16[None, :]
-        assert np.isinf(np.float16(4096) * np.float16(16))  # (the limit is real)
+        folded = folded_entry(c, np.float16, 16)[:, None] * s_over_16[None, :]
+        assert np.isinf(folded_entry(np.float16([4096]), np.float16, 16)[0])  # (the limit is real)
     np.testing.assert_array_equal(today.view(np.uint16), folded.view(np.uint16))
 
     bf = ml_dtypes.bfloat16
     rng = np.random.default_rng(0)
-    cb = np.concatenate([rng.uniform(-4080, 4080, 20000), 2.0 ** rng.uniform(-140, 12, 20000),
-                         [4080.0, -4080.0, 1e-40, 0.0]]).astype(bf)
+    cb = np.concatenate([rng.uniform(-4080, 4080, 20000), 2.0 ** rng.uniform(-126, 12, 20000),
+                         [4080.0, -4080.0, 2.0**-126, 0.0]]).astype(bf)
     s_scaled = (u << 3).view(bf)
     today = (cb[:, None].astype(np.float32) * (s_scaled * bf(2.0**116)).astype(np.float32)[None, :])
-    folded = ((cb * bf(2.0**116)).astype(np.float32)[:, None] * s_scaled.astype(np.float32)[None, :])
+    folded = (folded_entry(cb, bf, 2.0**116).astype(np.float32)[:, None]
+              * s_scaled.astype(np.float32)[None, :])
     np.testing.assert_array_equal(today.astype(bf).view(np.uint16), folded.astype(bf).view(np.uint16))
+    assert folded_entry(np.array([2.0**-127], dtype=bf), bf, 2.0**116)[0] == 0  # (that limit too)

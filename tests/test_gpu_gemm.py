@@ -427,8 +427,8 @@ def test_wgmma_k5_full_rows_one_launch(monkeypatch, dtype):
 @pytest.mark.parametrize("k, k5_full_rows", [(2, False), (3, False), (4, False), (5, False),
                                              (5, True)])
 def test_wgmma_slab_chunks(monkeypatch, dtype, k, k5_full_rows):
-    """Past the slab-staged variant's rows (256; 192 at k = 5 unless
-    _jit.GEMM_WG_K5_FULL_ROWS, an A/B knob: k5_full_rows): one launch of
+    """Past the slab-staged variant's rows (256; 192 at k = 5 with
+    _jit.GEMM_WG_K5_FULL_ROWS off, the A/B runs' setting: k5_full_rows): one launch of
     that many rows a chunk along grid z (gemm._wg_slab_chunks), whole groups
     a CTA or, where the chunks' groups leave SMs idle, split K through the
     workspace with slots and counters per chunk. A last chunk of a few rows
