@@ -9,6 +9,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-ksplit  # KSPLIT 2 and 4 (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-k5      # k = 5 at 192 rows against 256 (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-fold    # the fold (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k5-mid     # k = 5, mid layers, 384..4096 rows (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh check      # GPU tests of all three (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -66,6 +67,11 @@ case "${1:-}" in
     run 250 define_ab_${tag}_k5_192_rows_${commit}.txt python benchmarks/define_ab.py --define "$K5_OFF" \
       --layers 4096x28672 14336x4096 8192x57344 28672x8192 --m 200 256 512 1024 2048 --k 5 \
       --kernel wgmma auto ;;
+  k5-mid)  # k = 5 on mid layers past 256 rows, now that its chunks are 256 rows (NOTES: "Next")
+    warm "" gemm_mma
+    run 400 k5_mid_${tag}_${commit}_float16.log python benchmarks/full_sweep.py --layers 4096x6144 \
+      4096x4096 5120x5120 6144x4096 --m 384 512 1024 2048 4096 --k 5 --kernels auto wgmma dequant \
+      --no-events --out "$out/k5_mid_${tag}_${commit}_float16" ;;
   ab-fold)  # k = 4's large-layer launch scales after the multiply: untouched there
     warm "" gemm_mma gemm_latency
     warm "$FOLD" gemm_mma gemm_latency
@@ -93,5 +99,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|ab-fold|check|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|memcheck|racecheck" >&2; exit 2 ;;
 esac
