@@ -255,16 +255,8 @@ template <> struct ScaleFold<__nv_bfloat16> {
 // flush to zero under -ftz here.
 template <typename T, bool kFold>
 __device__ __forceinline__ unsigned cb_bits(float c) {
-  const unsigned b = Mma<T>::to_bits(c);
-  if constexpr (kFold) {
-    float r;
-    if constexpr (IsHalf<T>::value)
-      r = __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-    else
-      r = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
-    return Mma<T>::to_bits(r * ScaleFold<T>::kFactor);
-  }
-  return b;
+  if constexpr (kFold) return Mma<T>::to_bits(Elem<T>::to_float(T(c)) * ScaleFold<T>::kFactor);
+  return Mma<T>::to_bits(c);
 }
 
 // (scale, scale) in T of block j (0..7) of one row, from the lane's scale
