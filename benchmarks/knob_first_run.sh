@@ -11,6 +11,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-fold    # the fold (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k5-mid     # k = 5, mid layers, 384..4096 rows (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh check      # GPU tests of all three (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh fold-check # GPU tests of the fold alone (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -86,6 +87,11 @@ case "${1:-}" in
     warm "$FOLD" gemm_mma gemm_latency
     run 300 gpu_tests_knobs_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
       tests/test_experts.py -k "half_k_tiles or k5_full or slab_chunks or codebook_fold" ;;
+  fold-check)
+    warm "" gemm_mma gemm_latency
+    warm "$FOLD" gemm_mma gemm_latency
+    run 200 gpu_tests_fold_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      tests/test_experts.py -k codebook_fold ;;
   memcheck|racecheck)
     tool=$1 quick=$([ "$1" = racecheck ] && echo --quick)
     for d in "$KSPLIT2" "$KSPLIT4"; do
@@ -99,5 +105,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|memcheck|racecheck" >&2; exit 2 ;;
 esac
