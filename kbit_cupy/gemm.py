@@ -811,6 +811,13 @@ def has_wgmma() -> bool:
 #   (large_m_h{100,200}_slab_chunks_mid_ef571d2_float16.md) wgmma wins
 #   where its chunks fit one wave or fill the last one to 0.9, and loses
 #   elsewhere: _mid_slab_chunks_fill (in choose_kernel), to 4096 rows.
+#   k = 5 on the same mid layers on the H200 since its 256-row launches
+#   (results/k5_mid_h200_acf4252_float16.md, 384..4096 rows, wgmma against
+#   dequantize + cuBLAS): at 512 and 1024 rows where the chunks fill the
+#   wave wgmma 0.92-0.93x its time (4096x4096 at 512: 1.00x) but 5120x5120
+#   at 512 (1.06x); where they do not 1.17-1.37x; at 2048 1.03-1.06x, at
+#   384 1.23-1.38x. So the fill rule to 1024 rows (_WG_K5_MID_MAX). The
+#   H100's k = 5 mid rows stop at 256: not measured.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -844,6 +851,8 @@ _WG_MID_MAX = 4096
 # k = 5's last wgmma rows on "large" layers (sm_90) on the H200 since its
 # 256-row launches (_jit.GEMM_WG_K5_FULL_ROWS; see the table's notes)
 _WG_K5_LARGE_MAX = 1024
+# and on "mid" layers, where its slab chunks fill the wave (_mid_slab_chunks_fill)
+_WG_K5_MID_MAX = 1024
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
     DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
@@ -859,6 +868,11 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 16, 512, ks=(5,)),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX),
     DispatchRule(True, "mid", 64, _WG_MID_MAX, ks=(2,), lat_max=8),
+    DispatchRule(True, "mid", 32, _WG_K5_MID_MAX, ks=(5,), max_weights=_MID_LATENCY, lat_max=8,
+                 min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 32, _WG_K5_MID_MAX, ks=(5,), max_weights=1 << 25, lat_max=4,
+                 min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 32, _WG_K5_MID_MAX, ks=(5,), min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=1 << 25, lat_max=4),
     DispatchRule(True, "mid", 32, 256, ks=(5,)),
@@ -927,7 +941,7 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         return "latency"
     if M <= cl_max:
         return "cluster"
-    if (M > 256 and M <= wg_max and k != 5 and _layer_class(N, K_dim, k, bool(wgmma)) == "mid"
+    if (M > 256 and M <= wg_max and _layer_class(N, K_dim, k, bool(wgmma)) == "mid"
             and not _mid_slab_chunks_fill(M, N, _device_sms() if sms is None else sms)):
         return "dequant"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"

@@ -269,20 +269,27 @@ def test_dispatch_at_16_to_4096_rows_on_the_h200_against_its_run():
     # (7cf8d0a, _jit.GEMM_WG_K5_FULL_ROWS): what auto picks for the H200's
     # bandwidth is within 5% of the fastest kernel at every point. (The worst,
     # 1.03, is two timings of wgmma 2.6% apart in the first run; in the second
-    # auto's pick is within 0.2% of the fastest at every point.)
+    # auto's pick is within 0.2% of the fastest at every point.) And k = 5 on
+    # four mid layers at 384..4096 rows (acf4252): within 7%, the worst
+    # 5120x5120 at 512 rows, where the fill rule (_mid_slab_chunks_fill) takes
+    # wgmma at 1.064x dequantize + cuBLAS; the other 19 points are the fastest.
     from kbit_cupy.gemm import choose_kernel
 
     checked = 0
-    for name, ks, points in [("dispatch_h200_3d73b67_float16.json", (2, 4), 42),
-                             ("dispatch_k5_h200_7cf8d0a_float16.json", (5,), 36)]:
+    for name, ks, points, slack in [("dispatch_h200_3d73b67_float16.json", (2, 4), 42, 1.05),
+                                    ("dispatch_k5_h200_7cf8d0a_float16.json", (5,), 36, 1.05),
+                                    ("k5_mid_h200_acf4252_float16.json", (5,), 20, 1.07)]:
         tbps, times = _dispatch_run_times(name, ks)
         assert 4.5 <= tbps <= 5.2, tbps
+        worst = 1.0
         for (K_dim, N, M, k), t in times.items():
             chosen = choose_kernel(M, N, K_dim, k, "float16", wgmma=True, tbps=tbps, sms=132)
-            assert t[chosen] <= 1.05 * min(t.values()), (name, K_dim, N, M, k, chosen, t)
+            assert t[chosen] <= slack * min(t.values()), (name, K_dim, N, M, k, chosen, t)
+            worst = max(worst, t[chosen] / min(t.values()))
         assert len(times) == points, (name, len(times))
+        assert worst > slack - 0.05, (name, worst)  # the slack is the run's, not a blanket
         checked += len(times)
-    assert checked == 78
+    assert checked == 98
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
