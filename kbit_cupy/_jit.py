@@ -129,6 +129,8 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles)))
                     for m_tiles in GEMM_CLUSTER_M_TILES:  # the cluster split (sm_90a)
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, True)))
+    out += [Variant(v.family, folded) for v in out
+            if (folded := cb_fold_variant(v.family, v.args)) is not None]
     out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
     return out
 
@@ -221,6 +223,32 @@ GEMM_SLAB_MIN_M_TILES = 24  # gemm_mma.cu kSlabMinTiles: from here activations s
 # Not measured on the H100 (none lent that session); the same SASS runs there.
 # False keeps the 192-row launches for A/B runs. The compile check builds both.
 GEMM_WG_K5_FULL_ROWS = True
+
+
+# The scale pair's factor in the codebook entries (the FOLD template argument
+# of gemm_mma.cu's mma.sync path and gemm_latency.cu; mma_common.cuh cb_bits):
+# the same bits, one HMUL2 fewer a block and row. gemm._cb_fold chooses where
+# (fp16 activations, E4M4 scales, k = 2 and 5, <= 2 n8 tiles, the H200);
+# False turns it off (A/B runs). The compile check builds the variants it
+# can ask for (cb_fold_variant).
+GEMM_CB_FOLD = True
+CB_FOLD_KS = (2, 5)  # the bit widths gemm._cb_fold may fold (k = 2: latency and mma; 5: mma)
+
+
+def cb_fold_variant(family: str, args: tuple) -> tuple | None:
+    """``args`` with FOLD = true (the template's defaults spelled out before
+    it), or None where gemm._cb_fold never asks for this variant."""
+    defaults = {"gemm_latency": (False,), "gemm_mma": (0, False, 4)}.get(family)  # after arg 4 / 5
+    if defaults is None:
+        return None
+    k, dtype, scale, m_tiles = args[:4]
+    if k not in CB_FOLD_KS or dtype != "float16" or scale != "uint8" or m_tiles > 2:
+        return None
+    first = 4 if family == "gemm_latency" else 5  # the first argument with a default
+    full = (*args, *defaults[len(args) - first:])
+    if family == "gemm_latency":
+        return (*full, True) if k == 2 and not full[4] else None  # not the cluster split
+    return (*full, True) if full[5] == 0 and not full[6] else None  # mma.sync, not grouped
 
 
 def gemm_wg_m_tiles(k: int, scale: str) -> tuple[int, ...]:

@@ -193,6 +193,8 @@ class _KbitArrays:
         if name in _WEIGHT_FIELDS and "_plans" in self.__dict__:
             self.__dict__["_plans"] = {}
             self.__dict__["_tiles"] = None
+        if name == "codebook":  # its range is known again only from a new weight (_cb_fold)
+            self.__dict__["_cb_max"] = None
         object.__setattr__(self, name, value)
 
     @property
@@ -245,7 +247,10 @@ class KbitWeight(_KbitArrays):
             raise ValueError(f"absmax must be uint8 (E4M4) or float16 of shape ({nblocks},), "
                              f"got {self.absmax.dtype} {self.absmax.shape}")
         # The codebook follows the data (the kernels read it from device memory).
-        self.codebook = xp.asarray(check_codebook(to_host(self.codebook), self.k))
+        host_cb = check_codebook(to_host(self.codebook), self.k)
+        self.codebook = xp.asarray(host_cb)
+        # its largest |entry|, for _cb_fold (a later assignment of codebook drops it)
+        self.__dict__["_cb_max"] = float(np.abs(host_cb).max())
 
     def dequantize(self, dtype=np.float16):
         """The ``[N, K_dim]`` weight in ``dtype`` (FORMAT.md section 6)."""
@@ -1338,8 +1343,11 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         warps = _mma_warps(weight.k, weight.absmax.dtype, m_tiles, per_warp, N, K_dim)
         if _k2_two_row_tiles(weight.k, m_tiles, warps, rt_n):
             per_warp = 2
-        kern = _jit.get_kernel("gemm_mma", weight.k, dtype.name, weight.absmax.dtype.name,
-                               m_tiles, per_warp, *((0, False, warps) if warps != 4 else ()))
+        args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles, per_warp,
+                *((0, False, warps) if warps != 4 else ()))
+        if _cb_fold(weight, dtype, "mma", m_tiles):
+            args = _jit.cb_fold_variant("gemm_mma", args) or args
+        kern = _jit.get_kernel("gemm_mma", *args)
     # mma: two stages of a K tile's activations; wgmma: three, or a ring of
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
     # swizzle) by the kernel
@@ -1459,6 +1467,37 @@ _LATENCY_MIN_WARPS = 2
 _LATENCY_HALF_TILES = 1
 
 
+# The scale pair's factor in the codebook entries (_jit.GEMM_CB_FOLD; the FOLD
+# template argument, mma_common.cuh cb_bits): the same bits, one HMUL2 fewer a
+# block and row. H200, fp16, kernel-only, auto at M = 1, 4, 8, 16, k = 2..5,
+# in one process against the default build (results/define_ab_h200_cb_fold_acf4252.txt,
+# ..._small_acf4252.txt, the whole-build knob): k = 2 on the layers of >= 2^27
+# weights at M <= 8 (latency and mma) 3-5% faster, k = 5 on the large layers
+# (mma) 2-5%; M = 16 within 2%; k = 2 on smaller layers and k = 5's latency
+# kernel on small layers 0.5-2.5% slower, k = 3 -4..+7%, k = 4 within 1%.
+# Not measured on the H100 nor with bf16 activations: those keep the default.
+_CB_FOLD_MIN_TBPS = _FAST_TBPS
+_CB_FOLD_K2_MIN_WEIGHTS = _HUGE
+_CB_FOLD_K5_MIN_WEIGHTS = 1 << 25
+# fp16: |entry| x 16 (the factor) within fp16's largest finite value, 65504
+_CB_FOLD_FP16_MAX_ENTRY = 4094.0
+
+
+def _cb_fold(weight: KbitWeight, dtype, kernel: str, m_tiles: int) -> bool:
+    """Whether ``kernel`` ("latency" or "mma", ``m_tiles`` n8 tiles) runs with
+    the scale pair's factor folded into ``weight``'s codebook (FOLD)."""
+    if not (_jit.GEMM_CB_FOLD and weight.k in _jit.CB_FOLD_KS and _is_fp16(dtype) and m_tiles <= 2
+            and weight.absmax.dtype == np.uint8 and _device_tbps() >= _CB_FOLD_MIN_TBPS):
+        return False
+    cb_max = weight.__dict__.get("_cb_max")  # None: a codebook assigned after construction
+    if cb_max is None or cb_max > _CB_FOLD_FP16_MAX_ENTRY:
+        return False
+    weights = weight.shape[0] * weight.shape[1]
+    if weight.k == 2:
+        return weights >= _CB_FOLD_K2_MIN_WEIGHTS
+    return kernel == "mma" and weights >= _CB_FOLD_K5_MIN_WEIGHTS
+
+
 def _latency_half_tiles(row_tiles: int) -> bool:
     """Whether gemm_latency runs half tiles for a weight of ``row_tiles`` row tiles."""
     return _LATENCY_HALF_TILES == 2 or (_LATENCY_HALF_TILES == 1 and 2 * row_tiles <= _sm_count())
@@ -1475,7 +1514,10 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     half = _latency_half_tiles(rt_n)
     ctas = 2 * rt_n if half else rt_n
     m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
-    kern = _jit.get_kernel("gemm_latency", weight.k, dtype.name, weight.absmax.dtype.name, m_tiles)
+    args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles)
+    if _cb_fold(weight, dtype, "latency", m_tiles):
+        args = _jit.cb_fold_variant("gemm_latency", args) or args
+    kern = _jit.get_kernel("gemm_latency", *args)
     warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
     return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,

@@ -196,7 +196,8 @@ constexpr int kClusterMaxReads = 16;  // ranks x warps per row tile: gemm.py kee
 // the built kernel's registers) fits more warps in one wave. At 80, k = 4
 // spills one word outside the tile loop (16 bytes), which the compile check
 // rejects; measured in benchmarks/NOTES-gemm.md ("Fewer registers a warp").
-template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false>
+// FOLD: the scale pair's factor in the codebook entries (as gemm_mma.cu's FOLD).
+template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false, bool FOLD = false>
 #ifdef KBIT_LATENCY_MAXNREG
 __global__ void __maxnreg__(KBIT_LATENCY_MAXNREG)
 #else
@@ -393,7 +394,9 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       scale_pair[i] = h | (h << 16);
     }
   }
-  constexpr bool kCbFold = KBIT_CB_FOLD && kAluScale;  // (mma_common.cuh)
+  // FOLD (the host's choice, gemm._cb_fold) or KBIT_CB_FOLD: the scale pair's
+  // factor in the codebook entries (mma_common.cuh).
+  constexpr bool kCbFold = (FOLD || KBIT_CB_FOLD) && kAluScale;
   const unsigned cb = cb_bits<T, kCbFold>(cb_lane);
   const unsigned cb_pair = cb | (cb_bits<T, kCbFold>(cb_hi) << 16);
   constexpr bool kPairTable = K == 3;

@@ -348,8 +348,11 @@ __device__ __noinline__ void place_routed_rows(const int* route_id, int* route_o
 // row_ids (optional) maps sorted rows to rows of C and, divided by
 // ids_per_row, of A. route_ids (optional, instead of group_offsets and
 // row_ids): the router's M expert ids; every CTA groups them itself (below).
+// FOLD: the scale pair's factor in the codebook entries where the pair is
+// computed (cb_bits, mma_common.cuh; the same bits); the host asks for it
+// only for codebooks whose entries times the factor stay finite (gemm._cb_fold).
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
-          bool GROUPED = false, int WARPS = 4>
+          bool GROUPED = false, int WARPS = 4, bool FOLD = false>
 __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 32 * WARPS,
                                   kLaunchMinCtas<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>)
     kbit_gemm_mma(
@@ -632,7 +635,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       !(kSlab && (K == 2 || K == 5));  // (slab staging at k = 2, 5: the table; ALU spills)
   // KBIT_CB_FOLD (mma_common.cuh): the pair's factor in the codebook entries,
   // where the pair is computed and scales the weights.
-  constexpr bool kCbFold = KBIT_CB_FOLD && kAluScale &&
+  // FOLD (the host's choice, gemm._cb_fold) or KBIT_CB_FOLD (an A/B knob, all).
+  constexpr bool kCbFold = (FOLD || KBIT_CB_FOLD) && kAluScale &&
                            !kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
 
   // Lane j holds codebook[j mod 2^K] in T: a shuffle by an index whose bits

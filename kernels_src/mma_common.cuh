@@ -223,7 +223,9 @@ template <> struct IsHalf<__half> { static constexpr bool value = true; };
 #define KBIT_BF16_ALU_SCALE 1
 #endif
 
-// KBIT_CB_FOLD 1 (an A/B knob, default 0): where the scale pair is computed
+// The fold (the FOLD template argument of gemm_mma.cu and gemm_latency.cu,
+// which the host chooses per weight and launch: gemm._cb_fold; or KBIT_CB_FOLD
+// 1, an A/B knob for every variant, default 0): where the scale pair is computed
 // (kAluScale) and multiplies the weights (not the scale after the multiply),
 // the pair's factor (16, 16) in fp16, (2^116, 2^116) in bf16, moves into the
 // codebook entries as the kernel converts them (cb_bits: the entry in T, then
@@ -231,7 +233,7 @@ template <> struct IsHalf<__half> { static constexpr bool value = true; };
 // fewer per block and row. The same bits wherever entry x factor is finite in
 // T (the factor is a power of two: (c 2^a)(s 2^-a) is the same product, rounded
 // once): |codebook entry| <= 4094 (fp16) or about 4080 (bf16). Larger entries
-// overflow to inf: the host must keep such codebooks off the knob.
+// overflow to inf: the host keeps such codebooks off the fold.
 #ifndef KBIT_CB_FOLD
 #define KBIT_CB_FOLD 0
 #endif
