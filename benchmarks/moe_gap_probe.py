@@ -19,6 +19,10 @@ import argparse
 
 import numpy as np
 
+from kbit_cupy._arrays import BFLOAT16
+
+ACT = np.dtype(np.float16)  # the activations' dtype (--dtype)
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,11 +42,15 @@ def main() -> int:
                    help="instead: kbit_grouped_gemm against kbit_gemm on a dense layer of the "
                         "touched experts' bytes (their N rows stacked) at M = 1 and at the most "
                         "rows an expert has, and the read ceiling of those bytes (stream_probe.py)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                   help="the activations' dtype (the experts are quantized from fp16 either way)")
     p.add_argument("--ab", default=None, metavar="NAME=VALUE",
                    help="instead: kbit_grouped_gemm and moe_linear built with the default "
                         "options and with -DNAME=VALUE (or with module.ATTR=VALUE set), timed side "
                         "by side in this process")
     args = p.parse_args()
+    global ACT
+    ACT = np.dtype(BFLOAT16 if args.dtype == "bfloat16" else np.float16)
 
     import cupy as cp
 
@@ -67,7 +75,7 @@ def main() -> int:
     experts_wg = quantize_experts(W, k=4).prepare() if args.wg_ab else None  # own plans
     del W
     cp.cuda.Device().synchronize()
-    print(f"{harness.gpu_info()['gpu']}: {E} experts of [{N}, {K_dim}], top-{top_k}, k=4 fp16")
+    print(f"{harness.gpu_info()['gpu']}: {E} experts of [{N}, {K_dim}], top-{top_k}, k=4 {ACT.name}")
     for T in args.t:
         if args.ab:
             _define_ab(T, E, top_k, K_dim, N, experts, args.ab, rng)
@@ -113,7 +121,7 @@ def _routed(T, E, top_k, K_dim, rng):
 
     ids = cp.asarray(np.stack([rng.choice(E, top_k, replace=False) for _ in range(T)])
                      .astype(np.int32))
-    x = cp.asarray(rng.standard_normal((T, K_dim)).astype(np.float16))
+    x = cp.asarray(rng.standard_normal((T, K_dim)).astype(ACT))
     flat = cp.asnumpy(ids).reshape(-1)
     order = np.argsort(flat, kind="stable")
     offsets = cp.asarray(np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
@@ -134,15 +142,15 @@ def _dense(T, E, top_k, K_dim, N, experts, rng):
     _, _, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
     counts = np.diff(cp.asnumpy(offsets))
     active, most = int((counts > 0).sum()), int(counts.max())
-    C = cp.empty((T * top_k, N), cp.float16)
+    C = cp.empty((T * top_k, N), ACT)
     ops = {"grouped": lambda: kbit_grouped_gemm(A_sorted, experts, offsets, out=C, validate=False)}
     W = (cp.random.default_rng(2).standard_normal((active * N, K_dim), dtype=cp.float32)
          * np.float32(0.02)).astype(cp.float16)
     w = quantize_weight(W, k=4).prepare()
     del W
     for M in sorted({1, most}):
-        A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.float16))
-        out = cp.empty((M, active * N), cp.float16)
+        A = cp.asarray(rng.standard_normal((M, K_dim)).astype(ACT))
+        out = cp.empty((M, active * N), ACT)
         ops[f"dense M={M}"] = lambda A=A, out=out: kbit_gemm(A, w, out=out)
     cp.cuda.Device().synchronize()
     read = read_ceilings(K_dim, active * N, [4], 10)[4]
@@ -173,8 +181,8 @@ def _wg_ab(T, E, top_k, K_dim, N, experts, experts_wg, rng):
 
     ops = {}
     for name, w, wg in (("mma", experts, False), ("wgmma", experts_wg, True)):
-        C = cp.empty((T * top_k, N), cp.float16)
-        out3 = cp.empty((T, top_k, N), cp.float16)
+        C = cp.empty((T * top_k, N), ACT)
+        out3 = cp.empty((T, top_k, N), ACT)
         ops[f"grouped {name}"] = forced(
             lambda w=w, C=C: kbit_grouped_gemm(A_sorted, w, offsets, out=C, validate=False), wg)
         ops[f"moe_linear {name}"] = forced(
@@ -219,8 +227,8 @@ def _define_ab(T, E, top_k, K_dim, N, experts, define, rng):
     for label, opts in (("default", ()), (define, defines)):
         w = copy.copy(experts)
         w._plans = {}
-        C = cp.empty((T * top_k, N), cp.float16)
-        out3 = cp.empty((T, top_k, N), cp.float16)
+        C = cp.empty((T * top_k, N), ACT)
+        out3 = cp.empty((T, top_k, N), ACT)
         held = {} if label == "default" else attrs
         # (a module attribute read at call time, such as experts._FUSED_ROUTE_MAX_PAIRS,
         # is held through every call of the variant's ops, captures included)
@@ -253,11 +261,11 @@ def _probe(T, E, top_k, K_dim, N, experts, rng):
 
     R = T * top_k
     ids, x, offsets, A_sorted = _routed(T, E, top_k, K_dim, rng)
-    C = cp.empty((R, N), cp.float16)
+    C = cp.empty((R, N), ACT)
     ident = cp.arange(R, dtype=cp.int32)
     A_rows = cp.ascontiguousarray(A_sorted)  # R rows: gather through the identity
     x_tok = cp.asarray(cp.asnumpy(A_sorted)[::top_k])  # T rows: row g // 8
-    out3 = cp.empty((T, top_k, N), cp.float16)
+    out3 = cp.empty((T, top_k, N), ACT)
     ops = {
         "grouped": lambda: kbit_grouped_gemm(A_sorted, experts, offsets, out=C, validate=False),
         "gather": lambda: ex._launch_grouped(A_rows, experts, offsets, C, row_ids=ident),

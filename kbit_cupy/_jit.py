@@ -127,6 +127,8 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs, True)))
                     for m_tiles in GEMM_LATENCY_M_TILES:
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles)))
+                    if k in MOE_LATENCY_KSPLIT_KS and scale == "uint8":  # the MoE few-pair launch
+                        out.append(Variant("gemm_latency", (k, dtype, scale, 1, False, False, 2)))
                     for m_tiles in GEMM_CLUSTER_M_TILES:  # the cluster split (sm_90a)
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, True)))
     out += [Variant(v.family, folded) for v in out
@@ -195,6 +197,8 @@ GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA a
 # whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
 # half or quarter tiles)
 GEMM_LATENCY_KSPLIT = 1
+# the bit widths whose MoE few-pair launch takes half K tiles (experts._MOE_LATENCY_KSPLIT)
+MOE_LATENCY_KSPLIT_KS = (4,)
 # gemm_latency.cu's cluster split (CLUSTER, sm_90a): n8 tiles per M chunk (a
 # launch covers any M in chunks of 8 * m_tiles rows), warps per CTA at most
 # (kClusterMaxWarps), partial tiles one output adds (kClusterMaxReads: ranks x

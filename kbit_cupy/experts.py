@@ -513,11 +513,33 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
     rt_n, kt_n = _tile_counts(N, K_dim)
     if pairs * rt_n >= 2**31:
         raise ValueError(f"too many pairs ({pairs}) for one launch; split the tokens")
-    kern = _jit.get_kernel("gemm_latency", experts.k, dtype.name, experts.absmax.dtype.name, 1)
-    warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n)
+    ksplit = _moe_latency_ksplit(experts.k, experts.absmax.dtype)
+    kern = _jit.get_kernel("gemm_latency", experts.k, dtype.name, experts.absmax.dtype.name, 1,
+                           *((False, False, ksplit) if ksplit != 1 else ()))
+    warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n, ksplit)
     return _launch.Launch(kern, (pairs * rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, experts.codebook, 0, 0, pairs, N, K_dim, kt_n, 0,
                            ids_per_row, E, 0, 0, 1))
+
+
+# The few-pair launch's units per K tile (gemm_latency.cu KSPLIT: 2, a warp
+# takes half K tiles and a CTA up to twice the warps) at the bit widths of
+# _jit.MOE_LATENCY_KSPLIT_KS, with E4M4 scales; 1 elsewhere (and for A/B runs).
+# H200, k = 4 fp16, kernel-only, in one process against whole tiles
+# (results/moe_gap_probe_h200_ksplit2_*): T = 1 on 128 x [1536, 2048] top-8
+# moe_linear 10.91 -> 10.17 us, on 128 x [2048, 768] 8.23 -> 7.42, on
+# 512 x [512, 2048] top-10 6.80 -> 6.92 (T = 2: 10.20 -> 9.24); the grouped
+# call 0.91-1.01x. Dense layers keep whole tiles (0.75x at k = 3 to 1.10x at
+# k = 4 by layer; define_ab_h200_ksplit_c48bd03.txt). Not measured on the H100.
+_MOE_LATENCY_KSPLIT = 2
+
+
+def _moe_latency_ksplit(k: int, scale_dtype) -> int:
+    """KSPLIT of the few-pair launch (_MOE_LATENCY_KSPLIT where k is in
+    _jit.MOE_LATENCY_KSPLIT_KS and the scales are E4M4, else 1)."""
+    if k in _jit.MOE_LATENCY_KSPLIT_KS and np.dtype(scale_dtype) == np.uint8:
+        return _MOE_LATENCY_KSPLIT
+    return 1
 
 
 # moe_linear takes the latency kernel up to this many CTAs (pairs x row tiles of

@@ -1428,18 +1428,25 @@ def _latency_rows(K_dim: int, itemsize: int) -> int:
     return max(1, min(8 * max(_jit.GEMM_LATENCY_M_TILES), _LATENCY_STAGE_BYTES // (k_pad * itemsize)))
 
 
+def latency_ksplit(ksplit: int = 1) -> int:
+    """The units per K tile a gemm_latency.cu variant of template argument
+    KSPLIT ``ksplit`` runs: _jit.GEMM_LATENCY_KSPLIT where an A/B build sets
+    KBIT_LATENCY_KSPLIT for every launch, else ``ksplit``."""
+    return _jit.GEMM_LATENCY_KSPLIT if _jit.GEMM_LATENCY_KSPLIT != 1 else ksplit
+
+
 def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
-                     ctas: int) -> tuple[int, int]:
+                     ctas: int, ksplit: int = 1) -> tuple[int, int]:
     """(warps per CTA, dynamic shared bytes) of a gemm_latency.cu launch of
     ``ctas`` CTAs staging ``rows`` rows of ``k_tiles`` K tiles: one warp per K
-    tile (per half or quarter K tile where the kernel is built with
-    KBIT_LATENCY_KSPLIT = 2 or 4: _jit.GEMM_LATENCY_KSPLIT) up to
+    tile (per half or quarter K tile where the variant's KSPLIT ``ksplit`` or
+    an A/B build's KBIT_LATENCY_KSPLIT is 2 or 4: latency_ksplit) up to
     GEMM_LATENCY_MAX_WARPS, halved (each warp then takes two or more units)
     while the CTAs would not all be resident at once: one wave, whose loads
     are all issued at the start.
     ValueError where the rows do not fit the shared memory."""
     stage = rows * k_tiles * K_PER_TILE * itemsize
-    warps = min(_jit.GEMM_LATENCY_MAX_WARPS, k_tiles * _jit.GEMM_LATENCY_KSPLIT)
+    warps = min(_jit.GEMM_LATENCY_MAX_WARPS, k_tiles * latency_ksplit(ksplit))
     while True:
         shared = stage + warps * m_tiles * 32 * 16  # + the warps' partial tiles, fp32
         per_sm = launch_ctas_per_sm(kern, 32 * warps, shared)

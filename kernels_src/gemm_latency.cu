@@ -69,9 +69,10 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 #ifndef KBIT_LATENCY_STAGE_ALIGN
 #define KBIT_LATENCY_STAGE_ALIGN 128
 #endif
-// Units of work per K tile (not with CLUSTER): 1, a warp takes whole K tiles;
-// 2 or 4 (for A/B runs, with _jit.GEMM_LATENCY_KSPLIT the same on the host,
-// which then gives a CTA up to that many times the warps), a warp takes half
+// Units of work per K tile (not with CLUSTER; the KSPLIT template argument,
+// or for A/B runs of every launch this -D with _jit.GEMM_LATENCY_KSPLIT the
+// same on the host): 1, a warp takes whole K tiles; 2 or 4 (the host then
+// gives a CTA up to that many times the warps), a warp takes half
 // or quarter K tiles: blocks 4p .. 4p + 3 (2p, 2p + 1) of a tile, loading only
 // the words, scales and A columns of its part, so a tile's decode is spread
 // over two (four) warps. The stamps of 768x2048
@@ -197,7 +198,11 @@ constexpr int kClusterMaxReads = 16;  // ranks x warps per row tile: gemm.py kee
 // spills one word outside the tile loop (16 bytes), which the compile check
 // rejects; measured in benchmarks/NOTES-gemm.md ("Fewer registers a warp").
 // FOLD: the scale pair's factor in the codebook entries (as gemm_mma.cu's FOLD).
-template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false, bool FOLD = false>
+// KSPLIT: units of work per K tile (KBIT_LATENCY_KSPLIT above, which overrides
+// it where built other than 1); the host chooses it per launch (experts.py
+// _MOE_LATENCY_KSPLIT) and sizes the CTA from it (gemm.latency_geometry).
+template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false, bool FOLD = false,
+          int KSPLIT = 1>
 #ifdef KBIT_LATENCY_MAXNREG
 __global__ void __maxnreg__(KBIT_LATENCY_MAXNREG)
 #else
@@ -254,8 +259,8 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   const int warp_tiles = rt_ok ? local_tiles : 0;  // local tiles this warp may take
   // Units: local tile u / kSplit, its part u % kSplit (KBIT_LATENCY_KSPLIT);
   // the warp's are units kw, kw + wk, ...
-  constexpr int kSplit = CLUSTER ? 1 : KBIT_LATENCY_KSPLIT;
-  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "KBIT_LATENCY_KSPLIT: 1, 2 or 4");
+  constexpr int kSplit = CLUSTER ? 1 : KBIT_LATENCY_KSPLIT != 1 ? KBIT_LATENCY_KSPLIT : KSPLIT;
+  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "KSPLIT, KBIT_LATENCY_KSPLIT: 1, 2 or 4");
   const int warp_units = warp_tiles * kSplit;
   auto kt_of = [&](int i) { return rank + i * ranks; };
   const int stride = local_tiles * 32;   // chunks per staged row

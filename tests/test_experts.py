@@ -301,6 +301,66 @@ def test_gpu_moe_linear_latency_kernel(E, N, K_dim, T, top_k, k, dtype, monkeypa
     assert np.array_equal(partial[rest].view(np.uint16), got[rest].view(np.uint16))
 
 
+def test_few_pair_launch_takes_half_k_tiles_at_k4_with_e4m4_scales(monkeypatch):
+    # experts._MOE_LATENCY_KSPLIT: the few-pair launch's KSPLIT = 2 variant at
+    # k = 4 with E4M4 scales (H200 A/B, moe_gap_probe_h200_ksplit2_*), which the
+    # compile check builds; whole tiles elsewhere and where an A/B sets 1.
+    from kbit_cupy import _jit, gemm
+    from kbit_cupy import experts as experts_module
+
+    ksplit = experts_module._moe_latency_ksplit
+    assert ksplit(4, np.uint8) == 2
+    assert ksplit(4, np.float16) == 1 and ksplit(2, np.uint8) == 1 and ksplit(5, np.uint8) == 1
+    names = {v.name for v in _jit.all_variants()}
+    for dtype in ("float16", "bfloat16"):
+        assert _jit.kernel_name("gemm_latency", 4, dtype, "uint8", 1, False, False, 2) in names
+    monkeypatch.setattr(experts_module, "_MOE_LATENCY_KSPLIT", 1)
+    assert ksplit(4, np.uint8) == 1
+    # an A/B build's KBIT_LATENCY_KSPLIT overrides the variant's (the kernel does the same)
+    assert gemm.latency_ksplit(2) == 2 and gemm.latency_ksplit() == 1
+    monkeypatch.setattr(_jit, "GEMM_LATENCY_KSPLIT", 4)
+    assert gemm.latency_ksplit(2) == 4 and gemm.latency_ksplit() == 4
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("E, N, K_dim, T, top_k", _LATENCY_CASES)
+def test_gpu_few_pair_launch_half_k_tiles_against_whole_tiles(E, N, K_dim, T, top_k, dtype,
+                                                             monkeypatch):
+    """k = 4, E4M4: the few-pair launch runs half K tiles a warp (KSPLIT = 2)
+    with up to twice the warps of whole tiles, within the bounds of the
+    reference and of the whole-tile launch, every element written, the same
+    bits again."""
+    import cupy as cp
+
+    from kbit_cupy import _jit
+    from kbit_cupy import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
+    asked = []
+    get_kernel = _jit.get_kernel
+    monkeypatch.setattr(_jit, "get_kernel", lambda family, *args: asked.append((family, args))
+                        or get_kernel(family, *args))
+    ex, x, ids = _device_case(E, N, K_dim, T, top_k, 4, dtype, seed=40)
+    got, blocks = {}, {}
+    for ksplit in (2, 1):
+        monkeypatch.setattr(experts_module, "_MOE_LATENCY_KSPLIT", ksplit)
+        ex._plans = {}
+        del asked[:]
+        out = cp.full((T, top_k, N), np.nan, dtype=dtype)
+        got[ksplit] = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex, out=out))
+        assert not np.isnan(got[ksplit].astype(np.float32)).any(), ksplit
+        again = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
+        assert np.array_equal(again.view(np.uint16), got[ksplit].view(np.uint16)), ksplit
+        latency = [args for family, args in asked if family == "gemm_latency"]
+        assert latency and all(len(a) == (7 if ksplit == 2 else 4) for a in latency), latency
+        blocks[ksplit] = {run._launch.block[0] for run in ex._plans.values()}
+        assert rel_error(got[ksplit], reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)], ksplit
+    kt = K_dim // 256 + (K_dim % 256 > 0)
+    assert max(blocks[2]) <= 32 * min(16, 2 * kt) and max(blocks[1]) <= 32 * min(16, kt), blocks
+    assert rel_error(got[2], got[1].astype(np.float32)) <= BOUNDS[np.dtype(dtype)]
+
+
 @gpu_test
 @pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
