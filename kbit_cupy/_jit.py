@@ -232,7 +232,7 @@ GEMM_WG_K5_FULL_ROWS = True
 # The scale pair's factor in the codebook entries (the FOLD template argument
 # of gemm_mma.cu's mma.sync path and gemm_latency.cu; mma_common.cuh cb_bits):
 # the same bits, one HMUL2 fewer a block and row. gemm._cb_fold chooses where
-# (fp16 activations, E4M4 scales, k = 2 and 5, <= 2 n8 tiles, the H200);
+# (E4M4 scales, k = 2 and 5, <= 2 n8 tiles, the H200);
 # False turns it off (A/B runs). The compile check builds the variants it
 # can ask for (cb_fold_variant).
 GEMM_CB_FOLD = True
@@ -246,7 +246,7 @@ def cb_fold_variant(family: str, args: tuple) -> tuple | None:
     if defaults is None:
         return None
     k, dtype, scale, m_tiles = args[:4]
-    if k not in CB_FOLD_KS or dtype != "float16" or scale != "uint8" or m_tiles > 2:
+    if k not in CB_FOLD_KS or dtype not in ("float16", "bfloat16") or scale != "uint8" or m_tiles > 2:
         return None
     first = 4 if family == "gemm_latency" else 5  # the first argument with a default
     full = (*args, *defaults[len(args) - first:])

@@ -194,7 +194,7 @@ class _KbitArrays:
             self.__dict__["_plans"] = {}
             self.__dict__["_tiles"] = None
         if name == "codebook":  # its range is known again only from a new weight (_cb_fold)
-            self.__dict__["_cb_max"] = None
+            self.__dict__["_cb_max"] = self.__dict__["_cb_min"] = None
         object.__setattr__(self, name, value)
 
     @property
@@ -249,8 +249,11 @@ class KbitWeight(_KbitArrays):
         # The codebook follows the data (the kernels read it from device memory).
         host_cb = check_codebook(to_host(self.codebook), self.k)
         self.codebook = xp.asarray(host_cb)
-        # its largest |entry|, for _cb_fold (a later assignment of codebook drops it)
-        self.__dict__["_cb_max"] = float(np.abs(host_cb).max())
+        # its largest and smallest nonzero |entry|, for _cb_fold (a later
+        # assignment of codebook drops them)
+        magnitudes = np.abs(host_cb)
+        self.__dict__["_cb_max"] = float(magnitudes.max())
+        self.__dict__["_cb_min"] = float(magnitudes[magnitudes > 0].min(initial=np.inf))
 
     def dequantize(self, dtype=np.float16):
         """The ``[N, K_dim]`` weight in ``dtype`` (FORMAT.md section 6)."""
@@ -1482,22 +1485,32 @@ _LATENCY_HALF_TILES = 1
 # weights at M <= 8 (latency and mma) 3-5% faster, k = 5 on the large layers
 # (mma) 2-5%; M = 16 within 2%; k = 2 on smaller layers and k = 5's latency
 # kernel on small layers 0.5-2.5% slower, k = 3 -4..+7%, k = 4 within 1%.
-# Not measured on the H100 nor with bf16 activations: those keep the default.
+# bf16 the same (define_ab_h200_cb_fold_bf16_e8db27f.txt: k = 2 on >= 2^27
+# weights 3-5%, k = 5 2-4% at M = 1..8; the same bits). Not measured on the
+# H100: it keeps the default.
 _CB_FOLD_MIN_TBPS = _FAST_TBPS
 _CB_FOLD_K2_MIN_WEIGHTS = _HUGE
 _CB_FOLD_K5_MIN_WEIGHTS = 1 << 25
-# fp16: |entry| x 16 (the factor) within fp16's largest finite value, 65504
-_CB_FOLD_FP16_MAX_ENTRY = 4094.0
+# |entry| times the factor within the largest finite value: fp16 4094 x 16 =
+# 65504; bf16 4080 x 2^116 (4088 would round to 4096 first). bf16 entries
+# also at least 2^-126: smaller ones are float subnormals, which the fold's
+# float multiply flushes to zero (-ftz).
+_CB_FOLD_MAX_ENTRY = {"float16": 4094.0, "bfloat16": 4080.0}
+_CB_FOLD_BF16_MIN_ENTRY = 2.0**-126
 
 
 def _cb_fold(weight: KbitWeight, dtype, kernel: str, m_tiles: int) -> bool:
     """Whether ``kernel`` ("latency" or "mma", ``m_tiles`` n8 tiles) runs with
     the scale pair's factor folded into ``weight``'s codebook (FOLD)."""
-    if not (_jit.GEMM_CB_FOLD and weight.k in _jit.CB_FOLD_KS and _is_fp16(dtype) and m_tiles <= 2
+    name = "float16" if _is_fp16(dtype) else "bfloat16"
+    if not (_jit.GEMM_CB_FOLD and weight.k in _jit.CB_FOLD_KS and m_tiles <= 2
             and weight.absmax.dtype == np.uint8 and _device_tbps() >= _CB_FOLD_MIN_TBPS):
         return False
-    cb_max = weight.__dict__.get("_cb_max")  # None: a codebook assigned after construction
-    if cb_max is None or cb_max > _CB_FOLD_FP16_MAX_ENTRY:
+    # None: a codebook assigned after construction, its range unknown
+    cb_max, cb_min = weight.__dict__.get("_cb_max"), weight.__dict__.get("_cb_min")
+    if cb_max is None or cb_min is None or cb_max > _CB_FOLD_MAX_ENTRY[name]:
+        return False
+    if name == "bfloat16" and cb_min < _CB_FOLD_BF16_MIN_ENTRY:
         return False
     weights = weight.shape[0] * weight.shape[1]
     if weight.k == 2:

@@ -1122,9 +1122,10 @@ def test_eight_warp_rule(monkeypatch):
 def test_codebook_fold_chosen_where_it_was_measured_to_win(monkeypatch):
     # gemm._cb_fold: the scale pair's factor in the codebook (the same bits)
     # only where the H200's A/B measured it faster (define_ab_h200_cb_fold_acf4252):
-    # fp16 activations, E4M4 scales, M <= 16, k = 2 on >= 2^27 weights
+    # fp16 and bf16 activations, E4M4 scales, M <= 16, k = 2 on >= 2^27 weights
     # (latency and mma), k = 5 on >= 2^25 (mma); never for a codebook whose
-    # entries times 16 would overflow fp16, nor on a GPU of the H100's bandwidth.
+    # entries times the factor would overflow (or, bf16, flush), nor on a GPU
+    # of the H100's bandwidth.
     from types import SimpleNamespace
 
     from kbit_cupy import _jit, gemm
@@ -1132,8 +1133,9 @@ def test_codebook_fold_chosen_where_it_was_measured_to_win(monkeypatch):
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
 
     def fold(k=2, N=8192, K_dim=57344, dtype="float16", scale=np.uint8, kernel="latency",
-             m_tiles=1, cb_max=1.0):
-        w = SimpleNamespace(k=k, shape=(N, K_dim), absmax=np.zeros(1, scale), _cb_max=cb_max)
+             m_tiles=1, cb_max=1.0, cb_min=0.01):
+        w = SimpleNamespace(k=k, shape=(N, K_dim), absmax=np.zeros(1, scale), _cb_max=cb_max,
+                            _cb_min=cb_min)
         return gemm._cb_fold(w, dtype, kernel, m_tiles)
 
     assert fold() and fold(kernel="mma", m_tiles=2) and fold(N=28672, K_dim=8192)
@@ -1142,9 +1144,12 @@ def test_codebook_fold_chosen_where_it_was_measured_to_win(monkeypatch):
     assert not fold(N=4096, K_dim=28672)  # k = 2 below 2^27 weights: no gain
     assert not fold(k=5, kernel="mma", N=4096, K_dim=4096)
     assert not fold(k=3) and not fold(k=4) and not fold(m_tiles=4)
-    assert not fold(dtype="bfloat16") and not fold(scale=np.float16)
+    assert fold(dtype="bfloat16") and not fold(scale=np.float16)
     assert fold(cb_max=4094.0) and not fold(cb_max=4094.5)  # 4094 x 16 = 65504, fp16's largest
-    assert not fold(cb_max=None)  # a codebook assigned after construction: range unknown
+    assert fold(dtype="bfloat16", cb_max=4080.0) and not fold(dtype="bfloat16", cb_max=4081.0)
+    assert fold(cb_min=1e-39) and not fold(dtype="bfloat16", cb_min=1e-39)  # a float subnormal
+    assert fold(dtype="bfloat16", cb_min=2.0**-126)
+    assert not fold(cb_max=None, cb_min=None)  # a codebook assigned after construction: range unknown
     monkeypatch.setattr(_jit, "GEMM_CB_FOLD", False)
     assert not fold()
     monkeypatch.setattr(_jit, "GEMM_CB_FOLD", True)
@@ -1159,19 +1164,23 @@ def test_codebook_range_is_known_from_construction_only():
     cb[1] = -4100.0
     w = quantize_weight(np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32), k=2,
                         codebook=cb)
-    assert w.__dict__["_cb_max"] == 4100.0
+    assert w.__dict__["_cb_max"] == 4100.0 and w.__dict__["_cb_min"] == np.float32(cb[2])
     w.codebook = create_normal_float_codebook(2)
     assert w.__dict__["_cb_max"] is None  # _cb_fold keeps it off: no device read in a call
+    w = quantize_weight(np.ones((16, 64), np.float32), k=2, codebook=np.zeros(4, np.float32) + [0, 0, 0, 1])
+    assert w.__dict__["_cb_min"] == 1.0  # zeros do not count (the fold keeps them zero)
 
 
 def test_every_fold_variant_the_host_asks_for_is_compile_checked():
     from kbit_cupy import _jit
 
     names = {v.name for v in _jit.all_variants()}
-    asked = [("gemm_latency", (2, "float16", "uint8", m)) for m in (1, 2)]
-    asked += [("gemm_mma", (k, "float16", "uint8", m, 1)) for k in (2, 5) for m in (1, 2)]
-    asked += [("gemm_mma", (2, "float16", "uint8", 1, rpw, 0, False, 8)) for rpw in (1, 2)]
-    asked += [("gemm_mma", (5, "float16", "uint8", m, 1, 0, False, 16)) for m in (1, 2)]
+    asked = []
+    for dt in ("float16", "bfloat16"):
+        asked += [("gemm_latency", (2, dt, "uint8", m)) for m in (1, 2)]
+        asked += [("gemm_mma", (k, dt, "uint8", m, 1)) for k in (2, 5) for m in (1, 2)]
+        asked += [("gemm_mma", (2, dt, "uint8", 1, rpw, 0, False, 8)) for rpw in (1, 2)]
+        asked += [("gemm_mma", (5, dt, "uint8", m, 1, 0, False, 16)) for m in (1, 2)]
     for family, args in asked:
         assert args in [v.args for v in _jit.all_variants() if v.family == family]
         folded = _jit.cb_fold_variant(family, args)
@@ -1180,6 +1189,7 @@ def test_every_fold_variant_the_host_asks_for_is_compile_checked():
     assert _jit.cb_fold_variant("gemm_mma", (2, "float16", "uint8", 1, 1, 0, True)) is None  # MoE
     assert _jit.cb_fold_variant("gemm_latency", (2, "float16", "uint8", 2, True)) is None  # cluster
     assert _jit.cb_fold_variant("gemm_mma", (4, "float16", "uint8", 1, 1)) is None
-    assert _jit.cb_fold_variant("gemm_mma", (2, "bfloat16", "uint8", 1, 1)) is None
+    assert _jit.cb_fold_variant("gemm_mma", (2, "bfloat16", "uint8", 1, 1))[-1] is True
+    assert _jit.cb_fold_variant("gemm_mma", (2, "float16", "float16", 1, 1)) is None
     assert _jit.kernel_name("gemm_mma", *_jit.cb_fold_variant("gemm_mma", (5, "float16", "uint8", 2, 1))) \
         == "kbit::kbit_gemm_mma<5, __half, unsigned char, 2, 1, 0, false, 4, true>"

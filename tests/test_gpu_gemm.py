@@ -251,13 +251,15 @@ def test_codebook_fold_same_bits(kernels_built_with, dtype):
 
 
 @pytest.mark.parametrize("k", [2, 5])
-def test_codebook_fold_chosen_per_weight(monkeypatch, k):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_codebook_fold_chosen_per_weight(monkeypatch, dtype, k):
     """The fold as the host chooses it (gemm._cb_fold; its bandwidth and size
     thresholds lowered so that it runs on any GPU and on small layers): the
     same bits as without it (_jit.GEMM_CB_FOLD off) on the latency and mma
     launches it covers (1 and 2 n8 tiles), for random index strings, every
     E4M4 code and codebooks with entries in fp16's subnormal range and up to
-    4094; a codebook with an entry past 4094 or assigned after construction
+    the largest the fold takes (4094 fp16, 4080 bf16); a codebook past that
+    (or, bf16, with a float subnormal entry) or assigned after construction
     runs without it; with the NF codebook every output is written and finite."""
     import cupy as cp
 
@@ -276,41 +278,43 @@ def test_codebook_fold_chosen_per_weight(monkeypatch, k):
     if k == 2:
         cases += [("latency", 1, 2048, 768), ("latency", 16, 129, 800), ("latency", 8, 4096, 4096)]
     rest = rng.uniform(-1, 1, 2**k - 3)
-    codebooks = {"nf": create_normal_float_codebook(k), "edge": np.r_[4094.0, -3e-6, 1e-7, rest],
-                 "past": np.r_[-4094.5, 0.5, 1e-3, rest]}
+    top = 4094.0 if np.dtype(dtype) == np.float16 else 4080.0
+    codebooks = {"nf": (create_normal_float_codebook(k), True),  # (codebook, folded)
+                 "edge": (np.r_[top, -3e-6, 1e-7, rest], True),
+                 "past": (np.r_[-(top + 1), 0.5, 1e-3, rest], False),
+                 "tiny": (np.r_[1e-39, 0.5, -1.0, rest], np.dtype(dtype) == np.float16)}
     folded = set()
     for kernel, M, N, K_dim in cases:
         blocks = N * K_dim // 32
         packed = rng.integers(0, 2**32, blocks * k, dtype=np.uint64).astype(np.uint32)
         codes = rng.integers(0, 256, blocks, dtype=np.uint8)  # every E4M4 code
-        A = cp.asarray((rng.standard_normal((M, K_dim)) * 0.01).astype(np.float16))
-        for name, cb in codebooks.items():
+        A = cp.asarray((rng.standard_normal((M, K_dim)) * 0.01).astype(np.dtype(dtype)))
+        for name, (cb, expect) in codebooks.items():
             w = KbitWeight(packed, codes, cb.astype(np.float32), k, (N, K_dim))
             outs = []
             for fold in (True, False):
                 monkeypatch.setattr(_jit, "GEMM_CB_FOLD", fold)
                 del asked[:]
-                out = cp.full((M, N), np.nan, dtype=np.float16)
+                out = cp.full((M, N), np.nan, dtype=np.dtype(dtype))
                 outs.append(cp.asnumpy(kbit_gemm(A, w.to_device(), out=out, kernel=kernel)))
                 used = [a for a in asked if a[0] == f"gemm_{kernel}"]
                 assert used, (kernel, asked)
                 with_fold = [a for a in used if a[1][-1] is True]
-                assert bool(with_fold) == (fold and name != "past"), (kernel, M, N, K_dim, name, used)
+                assert bool(with_fold) == (fold and expect), (kernel, M, N, K_dim, name, used)
                 folded.update(with_fold)
             same = outs[0].view(np.uint16) == outs[1].view(np.uint16)
             assert same.all(), (kernel, M, N, K_dim, name, int((~same).sum()))
-            if name == "nf":  # (entries past 1 times the largest scales overflow fp16, fold or not)
-                assert np.isfinite(outs[0]).all(), (kernel, M, N, K_dim, name)
+            if name == "nf":  # (entries past 1 times the largest scales overflow, fold or not)
+                assert np.isfinite(outs[0].astype(np.float32)).all(), (kernel, M, N, K_dim, name)
         # a codebook assigned after construction: its range unknown, no fold
         monkeypatch.setattr(_jit, "GEMM_CB_FOLD", True)
         wd = w.to_device()
-        wd.codebook = cp.asarray(codebooks["nf"])
+        wd.codebook = cp.asarray(codebooks["nf"][0])
         del asked[:]
         kbit_gemm(A, wd, kernel=kernel)
         assert not [a for a in asked if a[1][-1] is True], asked
     print(sorted(folded))
-    ms = {a[1][3] for a in folded if a[0] == "gemm_mma"}
-    assert ms == {1, 2}, folded
+    assert {a[1][3] for a in folded if a[0] == "gemm_mma"} == {1, 2}, folded
     if k == 2:
         assert {a[1][3] for a in folded if a[0] == "gemm_latency"} == {1, 2}, folded
 
