@@ -12,6 +12,8 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k5-mid     # k = 5, mid layers, 384..4096 rows (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh check      # GPU tests of all three (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh fold-check # GPU tests of the fold alone (~3 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh chosen-ab  # the fold and the MoE half K tiles as
+#       chosen, against off; on a GPU under 4 TB/s (the H100) the fold's bandwidth gate lowered (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -92,6 +94,21 @@ case "${1:-}" in
     warm "$FOLD" gemm_mma gemm_latency
     run 200 gpu_tests_fold_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
       tests/test_experts.py -k codebook_fold ;;
+  chosen-ab)  # (cb85cba: gemm._cb_fold and experts._MOE_LATENCY_KSPLIT, measured on the H200 only)
+    warm "" gemm_mma gemm_latency moe_route
+    run 120 gpu_tests_fold_chosen_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      -k codebook_fold_chosen
+    fold=_jit.GEMM_CB_FOLD=0
+    [ "$tag" = h200 ] || fold=gemm._CB_FOLD_MIN_TBPS=0  # default: no fold below 4 TB/s
+    run 200 define_ab_${tag}_cb_fold_chosen_${commit}.txt python benchmarks/define_ab.py --define "$fold" \
+      --layers 4096x28672 14336x4096 8192x57344 28672x8192 --m 1 4 8 16 --k 2 5
+    half=experts._MOE_LATENCY_KSPLIT=1
+    [ "$tag" = h200 ] || half=experts._MOE_LATENCY_KSPLIT_MIN_TBPS=0  # default: whole tiles there
+    for cfg in "128 8 2048x1536" "128 8 768x2048" "512 10 2048x512"; do
+      set -- $cfg
+      run 60 moe_gap_probe_${tag}_ksplit_ab_${1}e_${3}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$1" --top-k "$2" --shape "$3" --t 1 2 --ab "$half"
+    done ;;
   memcheck|racecheck)
     tool=$1 quick=$([ "$1" = racecheck ] && echo --quick)
     for d in "$KSPLIT2" "$KSPLIT4"; do
@@ -105,5 +122,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|memcheck|racecheck" >&2; exit 2 ;;
 esac

@@ -31,6 +31,7 @@ from .gemm import (
     KbitWeight,
     _check_shape,
     _counters,
+    _device_tbps,
     _KbitArrays,
     _tile_counts,
     _workspace,
@@ -530,14 +531,18 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
 # moe_linear 10.91 -> 10.17 us, on 128 x [2048, 768] 8.23 -> 7.42, on
 # 512 x [512, 2048] top-10 6.80 -> 6.92 (T = 2: 10.20 -> 9.24); the grouped
 # call 0.91-1.01x. Dense layers keep whole tiles (0.75x at k = 3 to 1.10x at
-# k = 4 by layer; define_ab_h200_ksplit_c48bd03.txt). Not measured on the H100.
+# k = 4 by layer; define_ab_h200_ksplit_c48bd03.txt). Not measured on the
+# H100: only a GPU of _MOE_LATENCY_KSPLIT_MIN_TBPS or more takes it.
 _MOE_LATENCY_KSPLIT = 2
+_MOE_LATENCY_KSPLIT_MIN_TBPS = 4.0  # (gemm._FAST_TBPS: the H200's 4.8, not the H100's 3.35)
 
 
 def _moe_latency_ksplit(k: int, scale_dtype) -> int:
     """KSPLIT of the few-pair launch (_MOE_LATENCY_KSPLIT where k is in
-    _jit.MOE_LATENCY_KSPLIT_KS and the scales are E4M4, else 1)."""
-    if k in _jit.MOE_LATENCY_KSPLIT_KS and np.dtype(scale_dtype) == np.uint8:
+    _jit.MOE_LATENCY_KSPLIT_KS, the scales are E4M4 and the GPU's bandwidth is
+    _MOE_LATENCY_KSPLIT_MIN_TBPS or more; else 1)."""
+    if (k in _jit.MOE_LATENCY_KSPLIT_KS and np.dtype(scale_dtype) == np.uint8
+            and _device_tbps() >= _MOE_LATENCY_KSPLIT_MIN_TBPS):
         return _MOE_LATENCY_KSPLIT
     return 1
 

@@ -303,12 +303,16 @@ def test_gpu_moe_linear_latency_kernel(E, N, K_dim, T, top_k, k, dtype, monkeypa
 
 def test_few_pair_launch_takes_half_k_tiles_at_k4_with_e4m4_scales(monkeypatch):
     # experts._MOE_LATENCY_KSPLIT: the few-pair launch's KSPLIT = 2 variant at
-    # k = 4 with E4M4 scales (H200 A/B, moe_gap_probe_h200_ksplit2_*), which the
-    # compile check builds; whole tiles elsewhere and where an A/B sets 1.
+    # k = 4 with E4M4 scales on a GPU of >= 4 TB/s (H200 A/B,
+    # moe_gap_probe_h200_ksplit2_*), which the compile check builds; whole
+    # tiles elsewhere and where an A/B sets 1.
     from kbit_cupy import _jit, gemm
     from kbit_cupy import experts as experts_module
 
     ksplit = experts_module._moe_latency_ksplit
+    monkeypatch.setattr(experts_module, "_device_tbps", lambda: 3.35)  # the H100: not measured
+    assert ksplit(4, np.uint8) == 1
+    monkeypatch.setattr(experts_module, "_device_tbps", lambda: 4.8)  # the H200
     assert ksplit(4, np.uint8) == 2
     assert ksplit(4, np.float16) == 1 and ksplit(2, np.uint8) == 1 and ksplit(5, np.uint8) == 1
     names = {v.name for v in _jit.all_variants()}
@@ -337,6 +341,7 @@ def test_gpu_few_pair_launch_half_k_tiles_against_whole_tiles(E, N, K_dim, T, to
     from kbit_cupy import experts as experts_module
 
     monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
+    monkeypatch.setattr(experts_module, "_MOE_LATENCY_KSPLIT_MIN_TBPS", 0.0)  # any GPU
     asked = []
     get_kernel = _jit.get_kernel
     monkeypatch.setattr(_jit, "get_kernel", lambda family, *args: asked.append((family, args))
