@@ -45,16 +45,23 @@ import numpy as np
 POINTS = ("weights in", "A staged", "decoded", "reduced", "exit", "scales in", "codebook in")
 
 
-def probed_kernels(k: int, dtype_name: str, scale_name: str):
-    """Build the gemm_latency variants of (k, dtype, scale) with the stamps, put
-    them in the package's kernel cache, and return their modules."""
+def probed_kernels(k: int, dtype_name: str, scale_name: str) -> dict:
+    """Build the gemm_latency variants of (k, dtype, scale) with the stamps (one
+    and two n8 tiles, and the twins the host may ask for instead: the codebook
+    fold, _jit.cb_fold_variant, and the MoE few-pair launch's half K tiles),
+    put them in the package's kernel cache, and return {template args: module}."""
     import cupy as cp
 
     from kbit_cupy import _jit
 
-    modules = []
+    wanted = []
     for m_tiles in _jit.GEMM_LATENCY_M_TILES:
         args = (k, dtype_name, scale_name, m_tiles)
+        wanted += [args] + [f for f in [_jit.cb_fold_variant("gemm_latency", args)] if f]
+    if k in _jit.MOE_LATENCY_KSPLIT_KS and scale_name == "uint8":
+        wanted.append((k, dtype_name, scale_name, 1, False, False, 2))
+    modules = {}
+    for args in wanted:
         name = _jit.kernel_name("gemm_latency", *args)
         module = cp.RawModule(
             code=_jit.render_source("gemm_latency"),
@@ -64,8 +71,23 @@ def probed_kernels(k: int, dtype_name: str, scale_name: str):
         _jit._kernels[("gemm_latency", args, cp.cuda.runtime.getDevice())] = module.get_function(
             name
         )
-        modules.append(module)
+        modules[args] = module
     return modules
+
+
+def latency_args_of(call) -> list:
+    """The gemm_latency template arguments ``call()`` asks the kernel cache for
+    (its launch plans are made on that call), in order."""
+    from kbit_cupy import _jit
+
+    asked = []
+    real = _jit.get_kernel
+    _jit.get_kernel = lambda family, *args: asked.append((family, args)) or real(family, *args)
+    try:
+        call()
+    finally:
+        _jit.get_kernel = real
+    return [args for family, args in asked if family == "gemm_latency"]
 
 
 def stamps_view(module, ctas_cap: int, max_warps: int, points: int,
@@ -184,7 +206,6 @@ def main() -> int:
     from define_ab import kernels_built_with, module_attributes
 
     from kbit_cupy import (
-        _jit,
         gemm,
         kbit_gemm,
         kbit_grouped_gemm,
@@ -270,7 +291,7 @@ def main() -> int:
                     for M in As:
                         out_q, out_p = outs_q[M], out_like(M)
                         with stream:
-                            call(M, probe_w, out_p)()
+                            used = latency_args_of(call(M, probe_w, out_p))
                             stream.synchronize()
                         if not bool(cp.all(out_p == out_q)):
                             print(
@@ -281,8 +302,10 @@ def main() -> int:
                                     else ""
                                 )
                             )
-                        m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
-                        module = modules[_jit.GEMM_LATENCY_M_TILES.index(m_tiles)]
+                        if len(used) != 1 or used[0] not in modules:
+                            raise SystemExit(f"{layer} k={k} M={M}: the call asked for gemm_latency "
+                                             f"{used}, not one stamped variant ({list(modules)})")
+                        module = modules[used[0]]
                         s, ctas, warps = phases(module, call(M, probe_w, out_p), stream,
                                                 args.replays, args.flush)
                         t_probe = harness.time_graph(call(M, probe_w, out_p), reps=20)

@@ -232,27 +232,39 @@ GEMM_WG_K5_FULL_ROWS = True
 # The scale pair's factor in the codebook entries (the FOLD template argument
 # of gemm_mma.cu's mma.sync path and gemm_latency.cu; mma_common.cuh cb_bits):
 # the same bits, one HMUL2 fewer a block and row. gemm._cb_fold chooses where
-# (E4M4 scales, k = 2 and 5, <= 2 n8 tiles, the H200);
+# (E4M4 scales, k = 2 and 5, <= 2 n8 tiles, a GPU of >= 4 TB/s: the H200 measured);
 # False turns it off (A/B runs). The compile check builds the variants it
 # can ask for (cb_fold_variant).
 GEMM_CB_FOLD = True
 CB_FOLD_KS = (2, 5)  # the bit widths gemm._cb_fold may fold (k = 2: latency and mma; 5: mma)
 
 
+# The template arguments with defaults, from the first (gemm_latency: CLUSTER,
+# FOLD, KSPLIT; gemm_mma: WG, GROUPED, WARPS, FOLD), and FOLD's position
+_DEFAULT_ARGS = {"gemm_latency": (4, (False, False, 1), 5), "gemm_mma": (5, (0, False, 4, False), 8)}
+
+
 def cb_fold_variant(family: str, args: tuple) -> tuple | None:
-    """``args`` with FOLD = true (the template's defaults spelled out before
-    it), or None where gemm._cb_fold never asks for this variant."""
-    defaults = {"gemm_latency": (False,), "gemm_mma": (0, False, 4)}.get(family)  # after arg 4 / 5
-    if defaults is None:
+    """``args`` with FOLD = true (the defaults before it spelled out, those
+    after it left off where they are the defaults), or None where gemm._cb_fold
+    never asks for this variant (or FOLD is set already)."""
+    if family not in _DEFAULT_ARGS:
         return None
+    first, defaults, fold_at = _DEFAULT_ARGS[family]
     k, dtype, scale, m_tiles = args[:4]
     if k not in CB_FOLD_KS or dtype not in ("float16", "bfloat16") or scale != "uint8" or m_tiles > 2:
         return None
-    first = 4 if family == "gemm_latency" else 5  # the first argument with a default
-    full = (*args, *defaults[len(args) - first:])
-    if family == "gemm_latency":
-        return (*full, True) if k == 2 and not full[4] else None  # not the cluster split
-    return (*full, True) if full[5] == 0 and not full[6] else None  # mma.sync, not grouped
+    full = [*args, *defaults[len(args) - first:]]
+    if full[fold_at]:
+        return None
+    if family == "gemm_latency" and (k != 2 or full[4]):  # (k = 5: mma only; not the cluster split)
+        return None
+    if family == "gemm_mma" and (full[5] != 0 or full[6]):  # mma.sync, not grouped
+        return None
+    full[fold_at] = True
+    while len(full) > fold_at + 1 and full[-1] == defaults[len(full) - 1 - first]:
+        full.pop()
+    return tuple(full)
 
 
 def gemm_wg_m_tiles(k: int, scale: str) -> tuple[int, ...]:

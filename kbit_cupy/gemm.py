@@ -219,7 +219,10 @@ class KbitWeight(_KbitArrays):
     ``packed`` (uint32 bit-planes), ``absmax`` (uint8 E4M4 codes or float16)
     and ``codebook`` (float32, ``2**k``) live in one module (NumPy or CuPy);
     ``shape`` is ``(N, K_dim)``. The kernels' tiled layout is built on first
-    use (or by ``prepare()``) and kept.
+    use (or by ``prepare()``) and kept. To change the arrays, assign new
+    ones (``w.codebook = ...``) rather than writing into them: what is derived
+    from them (the tiled copy, launch plans, the codebook's range) is kept
+    until an assignment drops it.
     """
 
     packed: object
@@ -825,7 +828,9 @@ def has_wgmma() -> bool:
 #   wave wgmma 0.92-0.93x its time (4096x4096 at 512: 1.00x) but 5120x5120
 #   at 512 (1.06x); where they do not 1.17-1.37x; at 2048 1.03-1.06x, at
 #   384 1.23-1.38x. So the fill rule to 1024 rows (_WG_K5_MID_MAX). The
-#   H100's k = 5 mid rows stop at 256: not measured.
+#   H100's k = 5 mid rows stop at 256: not measured. (E4M4 scales measured;
+#   with fp16 scales k = 5 chunks 192 rows, counted as 256 by the rule, not
+#   measured.)
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the

@@ -363,6 +363,7 @@ def test_gpu_few_pair_launch_half_k_tiles_against_whole_tiles(E, N, K_dim, T, to
         assert rel_error(got[ksplit], reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)], ksplit
     kt = K_dim // 256 + (K_dim % 256 > 0)
     assert max(blocks[2]) <= 32 * min(16, 2 * kt) and max(blocks[1]) <= 32 * min(16, kt), blocks
+    assert max(blocks[2]) >= max(blocks[1]), blocks  # as many warps at least, for twice the units
     assert rel_error(got[2], got[1].astype(np.float32)) <= BOUNDS[np.dtype(dtype)]
 
 

@@ -287,7 +287,8 @@ def test_dispatch_at_16_to_4096_rows_on_the_h200_against_its_run():
             assert t[chosen] <= slack * min(t.values()), (name, K_dim, N, M, k, chosen, t)
             worst = max(worst, t[chosen] / min(t.values()))
         assert len(times) == points, (name, len(times))
-        assert worst > slack - 0.05, (name, worst)  # the slack is the run's, not a blanket
+        if slack > 1.05:  # a wider slack than the others' only where the run needs it
+            assert worst > 1.05, (name, worst)
         checked += len(times)
     assert checked == 98
 
@@ -1189,6 +1190,11 @@ def test_every_fold_variant_the_host_asks_for_is_compile_checked():
     assert _jit.cb_fold_variant("gemm_mma", (2, "float16", "uint8", 1, 1, 0, True)) is None  # MoE
     assert _jit.cb_fold_variant("gemm_latency", (2, "float16", "uint8", 2, True)) is None  # cluster
     assert _jit.cb_fold_variant("gemm_mma", (4, "float16", "uint8", 1, 1)) is None
+    # FOLD in place among the other defaults: before a half-K-tiles KSPLIT, never twice
+    assert _jit.cb_fold_variant("gemm_latency", (2, "float16", "uint8", 1, False, False, 2)) == \
+        (2, "float16", "uint8", 1, False, True, 2)
+    assert _jit.cb_fold_variant("gemm_latency", (2, "float16", "uint8", 1, False, True)) is None
+    assert _jit.cb_fold_variant("gemm_mma", (2, "float16", "uint8", 1, 1, 0, False, 4, True)) is None
     assert _jit.cb_fold_variant("gemm_mma", (2, "bfloat16", "uint8", 1, 1))[-1] is True
     assert _jit.cb_fold_variant("gemm_mma", (2, "float16", "float16", 1, 1)) is None
     assert _jit.kernel_name("gemm_mma", *_jit.cb_fold_variant("gemm_mma", (5, "float16", "uint8", 2, 1))) \
