@@ -24,6 +24,7 @@ from . import _jit, _launch
 from ._arrays import array_module, as_module_array, same_module, to_host
 from .format import BLOCK, check_codebook, check_k
 from .gemm import (
+    _FAST_TBPS,
     _GEMM_ARG_TYPES,
     _LATENCY_ARG_TYPES,
     ACT_DTYPES,
@@ -534,7 +535,7 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
 # k = 4 by layer; define_ab_h200_ksplit_c48bd03.txt). Not measured on the
 # H100: only a GPU of _MOE_LATENCY_KSPLIT_MIN_TBPS or more takes it.
 _MOE_LATENCY_KSPLIT = 2
-_MOE_LATENCY_KSPLIT_MIN_TBPS = 4.0  # (gemm._FAST_TBPS: the H200's 4.8, not the H100's 3.35)
+_MOE_LATENCY_KSPLIT_MIN_TBPS = _FAST_TBPS  # (4 TB/s: the H200's 4.8, not the H100's 3.35)
 
 
 def _moe_latency_ksplit(k: int, scale_dtype) -> int:

@@ -24,3 +24,20 @@ def kernels_built_with(monkeypatch):
         monkeypatch.setattr(_jit, "_kernels", {})  # this build's kernels only
 
     return build
+
+
+@pytest.fixture
+def kernel_requests(monkeypatch):
+    """A list that records each ``(family, template args)`` kbit_cupy asks its
+    kernel cache for (``_jit.get_kernel``) from then on; clear it between calls."""
+    from kbit_cupy import _jit
+
+    asked = []
+    get_kernel = _jit.get_kernel
+
+    def recording(family, *args):
+        asked.append((family, args))
+        return get_kernel(family, *args)
+
+    monkeypatch.setattr(_jit, "get_kernel", recording)
+    return asked

@@ -330,22 +330,18 @@ def test_few_pair_launch_takes_half_k_tiles_at_k4_with_e4m4_scales(monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("E, N, K_dim, T, top_k", _LATENCY_CASES)
 def test_gpu_few_pair_launch_half_k_tiles_against_whole_tiles(E, N, K_dim, T, top_k, dtype,
-                                                             monkeypatch):
+                                                             monkeypatch, kernel_requests):
     """k = 4, E4M4: the few-pair launch runs half K tiles a warp (KSPLIT = 2)
     with up to twice the warps of whole tiles, within the bounds of the
     reference and of the whole-tile launch, every element written, the same
     bits again."""
     import cupy as cp
 
-    from kbit_cupy import _jit
     from kbit_cupy import experts as experts_module
 
     monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
     monkeypatch.setattr(experts_module, "_MOE_LATENCY_KSPLIT_MIN_TBPS", 0.0)  # any GPU
-    asked = []
-    get_kernel = _jit.get_kernel
-    monkeypatch.setattr(_jit, "get_kernel", lambda family, *args: asked.append((family, args))
-                        or get_kernel(family, *args))
+    asked = kernel_requests
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, 4, dtype, seed=40)
     got, blocks = {}, {}
     for ksplit in (2, 1):

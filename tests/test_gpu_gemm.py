@@ -252,7 +252,7 @@ def test_codebook_fold_same_bits(kernels_built_with, dtype):
 
 @pytest.mark.parametrize("k", [2, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_codebook_fold_chosen_per_weight(monkeypatch, dtype, k):
+def test_codebook_fold_chosen_per_weight(monkeypatch, kernel_requests, dtype, k):
     """The fold as the host chooses it (gemm._cb_fold; its bandwidth and size
     thresholds lowered so that it runs on any GPU and on small layers): the
     same bits as without it (_jit.GEMM_CB_FOLD off) on the latency and mma
@@ -268,10 +268,7 @@ def test_codebook_fold_chosen_per_weight(monkeypatch, dtype, k):
     monkeypatch.setattr(gemm, "_CB_FOLD_MIN_TBPS", 0.0)
     monkeypatch.setattr(gemm, "_CB_FOLD_K2_MIN_WEIGHTS", 0)
     monkeypatch.setattr(gemm, "_CB_FOLD_K5_MIN_WEIGHTS", 0)
-    asked = []
-    get_kernel = _jit.get_kernel
-    monkeypatch.setattr(_jit, "get_kernel", lambda family, *args: asked.append((family, args))
-                        or get_kernel(family, *args))
+    asked = kernel_requests
     rng = np.random.default_rng(k)
     cases = [("mma", 1, 1024, 8192), ("mma", 16, 1024, 8192), ("mma", 5, 8192, 2048),
              ("mma", 3, 300, 512)]
