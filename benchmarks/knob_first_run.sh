@@ -14,6 +14,11 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh fold-check # GPU tests of the fold alone (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh chosen-ab  # the fold and the MoE half K tiles as
 #       chosen, against off; on a GPU under 4 TB/s (the H100) the fold's bandwidth gate lowered (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ab-base    # the decode tables' address in a
+#       register (KBIT_TAB_UNIFORM_BASE=0, as before) against the uniform one, dense and MoE (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh base-check # GPU tests of gemm and the call
+#       path, memcheck of the 8- and 16-warp mma launches (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh base-rest  # test_experts, issue 25's table (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -31,6 +36,7 @@ KSPLIT2=KBIT_LATENCY_KSPLIT=2,_jit.GEMM_LATENCY_KSPLIT=2
 KSPLIT4=KBIT_LATENCY_KSPLIT=4,_jit.GEMM_LATENCY_KSPLIT=4
 K5_OFF=_jit.GEMM_WG_K5_FULL_ROWS=0
 FOLD=KBIT_CB_FOLD=1
+BASE_OFF=KBIT_TAB_UNIFORM_BASE=0
 
 # run LIMIT FILE CMD...: CMD under a time limit, its output to $out/FILE (and the
 # last lines here); a step cut off by its limit says so in its file
@@ -109,6 +115,26 @@ case "${1:-}" in
       run 60 moe_gap_probe_${tag}_ksplit_ab_${1}e_${3}_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts "$1" --top-k "$2" --shape "$3" --t 1 2 --ab "$half"
     done ;;
+  ab-base)  # (mma_common.cuh tab_base; the k = 2, 4, 5 table launches of gemm_mma)
+    warm "" gemm_mma gemm_latency moe_route
+    warm "$BASE_OFF" gemm_mma
+    run 290 define_ab_${tag}_tab_base_${commit}.txt python benchmarks/define_ab.py --define "$BASE_OFF" \
+      --layers 4096x28672 14336x4096 8192x57344 28672x8192 --m 1 4 8 16 --k 2 3 4 5
+    run 110 define_ab_${tag}_tab_base_small_${commit}.txt python benchmarks/define_ab.py \
+      --define "$BASE_OFF" --layers 768x2048 4096x4096 4096x6144 --m 1 16 32 --k 2 4 5
+    run 70 moe_gap_probe_${tag}_tab_base_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 128 --top-k 8 --shape 2048x1536 --t 8 32 128 --ab "$BASE_OFF" ;;
+  base-check)
+    warm "" gemm_mma gemm_latency moe_route
+    run 400 gpu_tests_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py tests/test_gpu.py \
+      tests/test_gpu_callpath.py
+    run 150 sanitize_tab_base_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python -m pytest -q tests/test_gpu_gemm.py -k "eight_warp_mma_launch or sixteen_warp_k5_launch" ;;
+  base-rest)
+    warm "" gemm_mma gemm_latency moe_route
+    run 200 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
+    run 330 issue25_${tag}_${commit}_float16.log python benchmarks/full_sweep.py --layers 4096x28672 \
+      14336x4096 8192x57344 28672x8192 --m 1 4 8 16 --k 2 3 4 5 --out "$out/issue25_${tag}_${commit}_float16" ;;
   memcheck|racecheck)
     tool=$1 quick=$([ "$1" = racecheck ] && echo --quick)
     for d in "$KSPLIT2" "$KSPLIT4"; do
@@ -122,5 +148,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|memcheck|racecheck" >&2; exit 2 ;;
 esac

@@ -471,6 +471,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // kPrmtTable: [256 entries][16]; with slab staging first, at the dynamic
   // shared memory's start, whose address is a constant (no register for it)
   uint4* const prmt_tab = kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
+  const unsigned prmt_base = tab_base(prmt_tab);  // (tab_lookup, mma_common.cuh)
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
@@ -904,6 +905,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab_static[kPairTable && !kBigPairTable ? kPairs * 8 : 1];
   uint4* const pair_tab = kBigPairTable ? prmt_tab : pair_tab_static;
+  const unsigned pair_base = kBigPairTable ? prmt_base : tab_base(pair_tab);
   if constexpr (kQuadTable) {  // entry (byte v, lane l) at 256 v + 8 l: pairs v & 15, v >> 4
     for (int i0 = warp * 32; i0 < 256 * 16; i0 += blockDim.x) {
       const int i = i0 + lane, v = i >> 4;
@@ -1436,17 +1438,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             unsigned pair;
             if constexpr (kQuadTable) {  // pairs 2q, 2q + 1 of row half h: byte 2h + q of word j
               if ((p & 1) == 0) {
-                quad = *reinterpret_cast<const uint2*>(
-                    reinterpret_cast<const char*>(prmt_tab) +
-                    __byte_perm(w[r][j], lane4 << 1, 0x5504u | (unsigned)((2 * h + (p >> 1)) << 4)));
+                quad = tab_lookup<uint2>(prmt_base, lane4 << 1, w[r][j], 2 * h + (p >> 1));
               }
               pair = (p & 1) ? quad.y : quad.x;
             } else if constexpr (kPrmtTable) {  // pair p of word 2j + h: its byte p
-              pair = *reinterpret_cast<const unsigned*>(
-                  reinterpret_cast<const char*>(prmt_tab) +
-                  __byte_perm(w[r][2 * j + h], lane4, 0x5504u | (unsigned)(p << 4)));
+              pair = tab_lookup<unsigned>(prmt_base, lane4, w[r][2 * j + h], p);
             } else {
-              pair = weight_pair<K, kPairTable>(w[r], 16 * j + 8 * h + 2 * p, cb, cb_pair, pair_tab,
+              pair = weight_pair<K, kPairTable>(w[r], 16 * j + 8 * h + 2 * p, cb, cb_pair, pair_base,
                                                 lane4);
             }
             wp[r][h][p] = kScaleAfter ? pair : Mma<T>::mul2(pair, sp);

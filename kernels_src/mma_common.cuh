@@ -85,6 +85,49 @@ __device__ __forceinline__ float4 ld_cluster_f32x4(unsigned addr, int rank) {
   return v;
 }
 
+// Lane-replicated decode tables in shared memory (gemm_mma.cu's PRMT table,
+// k = 2's byte table, the pair tables of k = 3..5; gemm_latency.cu's k = 3
+// pair table): the entry for this lane of byte (or pair) v sits at the
+// table's address + 256 v + lane_off. KBIT_TAB_UNIFORM_BASE 1 (default): the
+// table's address goes through one redux.sync (every lane holds the same
+// value), which leaves it in a uniform register, and each lookup is one
+// LDS [R + UR]; 0: ptxas kept the address of the tables after the stages (and
+// of the latency kernel's static one) in an ordinary register and added it
+// to each lookup's offset, one IMAD.IADD per lookup. sm_90a, instructions per
+// two K tiles of the main loop (benchmarks/sass_loop.py): k = 2's 8-warp
+// launch at two row tiles 1103 -> 984, k = 4's 8-warp launch 799 -> 673, k = 5's
+// 16-warp launch 967 -> 846; the whole k = 3 latency kernel 2424 -> 2232. The
+// 4-warp launches' static pair table was already in a uniform register.
+#ifndef KBIT_TAB_UNIFORM_BASE
+#define KBIT_TAB_UNIFORM_BASE 1
+#endif
+// The table's shared address for tab_lookup (every lane of the warp active).
+__device__ __forceinline__ unsigned tab_base(const void* tab) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(tab);
+#if KBIT_TAB_UNIFORM_BASE
+  return __reduce_or_sync(0xffffffffu, a);
+#else
+  return a;
+#endif
+}
+// The 4 (V = unsigned) or 8 (uint2) bytes at shared address `a`.
+template <typename V>
+__device__ __forceinline__ V lds(unsigned a) {
+  V v;
+  if constexpr (sizeof(V) == 8) {
+    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+  } else {
+    asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  }
+  return v;
+}
+// The entry at table address `base` + 256 * (byte `sel` of `word`) + lane_off
+// (lane_off < 256).
+template <typename V>
+__device__ __forceinline__ V tab_lookup(unsigned base, unsigned lane_off, unsigned word, unsigned sel) {
+  return lds<V>(base + __byte_perm(word, lane_off, 0x5504u | (sel << 4)));
+}
+
 // Weight tiles and scales are read once per call: their loads carry an L2
 // evict_first policy (KBIT_WEIGHT_L2_HINT 1, the default), so a weight's lines
 // are the first to go and what else lives in L2 (activations, the lines other
@@ -291,18 +334,18 @@ __device__ __forceinline__ unsigned block_scale_pair(const unsigned* sw, int j,
 // The codebook entries of fields f and f + 1 of the lane's index string `w`
 // as a pair in T: k = 2 one shuffle of the lane-register pair table
 // `cb_pair` (lane a | b << 2 holds (codebook[a], codebook[b])); with
-// kPairTable (k = 3, 4) one load from the lane-replicated pair table in
-// shared memory; otherwise two shuffles of the lane-register codebook `cb`
-// (lane j holds codebook[j mod 2^K]) and a byte_perm.
+// kPairTable (k = 3, 4, 5) one load from the lane-replicated pair table in
+// shared memory at address `pair_base` (tab_base); otherwise two shuffles of
+// the lane-register codebook `cb` (lane j holds codebook[j mod 2^K]) and a
+// byte_perm.
 template <int K, bool kPairTable>
 __device__ __forceinline__ unsigned weight_pair(const unsigned (&w)[4 * K], int f, unsigned cb,
-                                                unsigned cb_pair, const uint4* pair_tab,
+                                                unsigned cb_pair, unsigned pair_base,
                                                 unsigned lane4) {
   if constexpr (K == 2) {
     return __shfl_sync(kFullMask, cb_pair, field_at<K>(w, f * K));
   } else if constexpr (kPairTable) {
-    return *reinterpret_cast<const unsigned*>(reinterpret_cast<const char*>(pair_tab) +
-                                              pair_offset<K>(w, f * K, lane4));
+    return lds<unsigned>(pair_base + pair_offset<K>(w, f * K, lane4));
   } else {
     const unsigned e0 = __shfl_sync(kFullMask, cb, field_at<K>(w, f * K));
     const unsigned e1 = __shfl_sync(kFullMask, cb, field_at<K>(w, (f + 1) * K));
