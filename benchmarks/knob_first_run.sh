@@ -121,7 +121,7 @@ case "${1:-}" in
     run 290 define_ab_${tag}_tab_base_${commit}.txt python benchmarks/define_ab.py --define "$BASE_OFF" \
       --layers 4096x28672 14336x4096 8192x57344 28672x8192 --m 1 4 8 16 --k 2 3 4 5
     run 110 define_ab_${tag}_tab_base_small_${commit}.txt python benchmarks/define_ab.py \
-      --define "$BASE_OFF" --layers 768x2048 4096x4096 4096x6144 --m 1 16 32 --k 2 4 5
+      --define "$BASE_OFF" --layers 768x2048 4096x4096 4096x6144 --m 1 16 32 --k 2 3 4 5
     run 70 moe_gap_probe_${tag}_tab_base_${commit}.txt python benchmarks/moe_gap_probe.py \
       --experts 128 --top-k 8 --shape 2048x1536 --t 8 32 128 --ab "$BASE_OFF" ;;
   base-check)
