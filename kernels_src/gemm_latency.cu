@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   constexpr bool kPairTable = K == 3;
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
-  const unsigned pair_base = tab_base(pair_tab);  // (mma_common.cuh)
+  const unsigned pair_base = kPairTable ? tab_base(pair_tab) : 0u;  // (mma_common.cuh)
   if constexpr (kPairTable) {
     for (int i0 = warp * 32; i0 < kPairs * 8; i0 += blockDim.x) {
       const int i = i0 + lane, b = (i >> 3) & (kPairs - 1);

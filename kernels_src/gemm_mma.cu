@@ -471,7 +471,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // kPrmtTable: [256 entries][16]; with slab staging first, at the dynamic
   // shared memory's start, whose address is a constant (no register for it)
   uint4* const prmt_tab = kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
-  const unsigned prmt_base = tab_base(prmt_tab);  // (tab_lookup, mma_common.cuh)
+  // (tab_lookup, mma_common.cuh; only where a table is read: taking a table's
+  // address keeps it, and a static one of 16 bytes moves the dynamic stages)
+  const unsigned prmt_base = kPrmtTable || kQuadTable || kBigPairTable ? tab_base(prmt_tab) : 0u;
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
@@ -905,7 +907,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kPairs = 1 << (2 * K);
   __shared__ uint4 pair_tab_static[kPairTable && !kBigPairTable ? kPairs * 8 : 1];
   uint4* const pair_tab = kBigPairTable ? prmt_tab : pair_tab_static;
-  const unsigned pair_base = kBigPairTable ? prmt_base : tab_base(pair_tab);
+  const unsigned pair_base = kBigPairTable ? prmt_base : kPairTable ? tab_base(pair_tab) : 0u;
   if constexpr (kQuadTable) {  // entry (byte v, lane l) at 256 v + 8 l: pairs v & 15, v >> 4
     for (int i0 = warp * 32; i0 < 256 * 16; i0 += blockDim.x) {
       const int i = i0 + lane, v = i >> 4;
