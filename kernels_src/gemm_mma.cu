@@ -472,8 +472,14 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // shared memory's start, whose address is a constant (no register for it)
   uint4* const prmt_tab = kTableFirst ? x_stage : x_stage + x_align + kStages * kStageChunks;
   // (tab_lookup, mma_common.cuh; only where a table is read: taking a table's
-  // address keeps it, and a static one of 16 bytes moves the dynamic stages)
-  const unsigned prmt_base = kPrmtTable || kQuadTable || kBigPairTable ? tab_base(prmt_tab) : 0u;
+  // address keeps it, and a static one of 16 bytes moves the dynamic stages.
+  // k = 2's byte table on the Hopper path keeps the address in an ordinary
+  // register: H200, in one process against it, wgmma at 16 rows took 2.1-3.3%
+  // more time on three large layers with it uniform, while k = 3..5 there
+  // took 0.6-2.3% less (results/define_ab_h200_tab_base_41f7ae5.txt).)
+  const unsigned prmt_base = !(kPrmtTable || kQuadTable || kBigPairTable) ? 0u
+                             : WG && K == 2 ? (unsigned)__cvta_generic_to_shared(prmt_tab)
+                                            : tab_base(prmt_tab);
   int* tile_cum = reinterpret_cast<int*>(
       prmt_tab + (kPrmtTable || kQuadTable ? 256 * 16 : kBigPairTable ? 1024 * 8 : 0));  // [experts + 1]
   int* row_start = tile_cum + experts + 1;  // [experts + 1]
