@@ -49,10 +49,12 @@ run() {
   return "$rc"
 }
 # warm [DEFINE] FAMILY...: the kernel cache, with -DDEFINE if given (a marker
-# file skips a warm this machine has done)
+# file skips a warm this machine has done for this commit: a step run again
+# after a kernel change on the same machine found the old marker and compiled
+# its kernels inside its tests, past their time limit)
 warm() {
   local define=$1; shift
-  local label=${define:-default}_$*
+  local label=${commit}_${define:-default}_$*
   label=${label//[^A-Za-z0-9]/_}
   [ -e "/tmp/kbit_warm_$label" ] && return
   run 150 warm_${tag}_${label}.txt python benchmarks/warm_kernel_cache.py --families "$@" -j 16 \
