@@ -48,7 +48,7 @@ POINTS = ("weights in", "A staged", "decoded", "reduced", "exit", "scales in", "
 def probed_kernels(k: int, dtype_name: str, scale_name: str) -> dict:
     """Build the gemm_latency variants of (k, dtype, scale) with the stamps (one
     and two n8 tiles, and the twins the host may ask for instead: the codebook
-    fold, _jit.cb_fold_variant, and the MoE few-pair launch's half K tiles),
+    fold, _jit.cb_fold_variant, and the dense and MoE launches' half K tiles),
     put them in the package's kernel cache, and return {template args: module}."""
     import cupy as cp
 
@@ -56,9 +56,12 @@ def probed_kernels(k: int, dtype_name: str, scale_name: str) -> dict:
 
     wanted = []
     for m_tiles in _jit.GEMM_LATENCY_M_TILES:
-        args = (k, dtype_name, scale_name, m_tiles)
-        wanted += [args] + [f for f in [_jit.cb_fold_variant("gemm_latency", args)] if f]
-    if k in _jit.MOE_LATENCY_KSPLIT_KS and scale_name == "uint8":
+        for args in [(k, dtype_name, scale_name, m_tiles)] + (
+                [(k, dtype_name, scale_name, m_tiles, False, False, 2)]
+                if k in _jit.DENSE_LATENCY_KSPLIT_KS and scale_name == "uint8" else []):
+            wanted += [args] + [f for f in [_jit.cb_fold_variant("gemm_latency", args)] if f]
+    if (k in _jit.MOE_LATENCY_KSPLIT_KS and scale_name == "uint8"
+            and (k, dtype_name, scale_name, 1, False, False, 2) not in wanted):
         wanted.append((k, dtype_name, scale_name, 1, False, False, 2))
     modules = {}
     for args in wanted:

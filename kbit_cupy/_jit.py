@@ -127,7 +127,11 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, wgs, True)))
                     for m_tiles in GEMM_LATENCY_M_TILES:
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles)))
-                    if k in MOE_LATENCY_KSPLIT_KS and scale == "uint8":  # the MoE few-pair launch
+                    if k in DENSE_LATENCY_KSPLIT_KS and scale == "uint8":  # dense half K tiles
+                        for m_tiles in GEMM_LATENCY_M_TILES:
+                            out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, False, False, 2)))
+                    if (k in MOE_LATENCY_KSPLIT_KS and k not in DENSE_LATENCY_KSPLIT_KS
+                            and scale == "uint8"):  # the MoE few-pair launch (one n8 tile)
                         out.append(Variant("gemm_latency", (k, dtype, scale, 1, False, False, 2)))
                     for m_tiles in GEMM_CLUSTER_M_TILES:  # the cluster split (sm_90a)
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, True)))
@@ -199,6 +203,9 @@ GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA a
 GEMM_LATENCY_KSPLIT = 1
 # the bit widths whose MoE few-pair launch takes half K tiles (experts._MOE_LATENCY_KSPLIT)
 MOE_LATENCY_KSPLIT_KS = (4,)
+# the bit widths whose dense gemm_latency launch may take half K tiles
+# (gemm._dense_latency_ksplit: with E4M4 scales, at one and two n8 tiles)
+DENSE_LATENCY_KSPLIT_KS = (2, 4)
 # gemm_latency.cu's cluster split (CLUSTER, sm_90a): n8 tiles per M chunk (a
 # launch covers any M in chunks of 8 * m_tiles rows), warps per CTA at most
 # (kClusterMaxWarps), partial tiles one output adds (kClusterMaxReads: ranks x

@@ -1528,6 +1528,37 @@ def _latency_half_tiles(row_tiles: int) -> bool:
     return _LATENCY_HALF_TILES == 2 or (_LATENCY_HALF_TILES == 1 and 2 * row_tiles <= _sm_count())
 
 
+# Half K tiles a warp in the dense latency launch (gemm_latency.cu KSPLIT = 2;
+# 1: whole tiles always, for A/B runs) at the bit widths of
+# _jit.DENSE_LATENCY_KSPLIT_KS with E4M4 scales, on a GPU of
+# _DENSE_LATENCY_KSPLIT_MIN_TBPS or more, where whole tiles give a CTA at most
+# _DENSE_LATENCY_KSPLIT_MAX_WARPS warps and whole row tiles: there each warp
+# holds one or more whole tiles and half tiles double the warps decoding them.
+# H200, fp16, kernel-only, the whole-build knob against whole tiles
+# (results/define_ab_h200_ksplit_c48bd03.txt, M = 1 / 4 / 16, whole tiles'
+# time over half tiles'): 768x2048 (3 warps) k = 2 1.060 / 1.073 / 1.036, k =
+# 4 1.043 / 1.044 / 1.030; 4096x6144 k = 4 (4 warps at its registers) 1.049 /
+# 1.099 / 1.080 (auto runs mma there); where whole tiles already give 8 warps
+# (4096x4096, 4096x6144 at k = 2) or half row tiles run (2048x768, 2048x512)
+# 0.954-1.021; k = 3 and 5 (the dropped words of a part that starts inside a
+# load) down to 0.88 on 768x2048: whole tiles.
+# Not measured on the H100: whole tiles there.
+_DENSE_LATENCY_KSPLIT = 2
+_DENSE_LATENCY_KSPLIT_MIN_TBPS = _FAST_TBPS
+_DENSE_LATENCY_KSPLIT_MAX_WARPS = 4
+
+
+def _dense_latency_ksplit(k: int, scale_dtype, half_rows: bool, warps: int) -> int:
+    """KSPLIT of the dense latency launch whose whole-tile geometry
+    (latency_geometry) gives ``warps`` warps a CTA, with half row tiles or not:
+    _DENSE_LATENCY_KSPLIT where the rule above holds, else 1."""
+    if (k in _jit.DENSE_LATENCY_KSPLIT_KS and np.dtype(scale_dtype) == np.uint8
+            and not half_rows and warps <= _DENSE_LATENCY_KSPLIT_MAX_WARPS
+            and _device_tbps() >= _DENSE_LATENCY_KSPLIT_MIN_TBPS):
+        return _DENSE_LATENCY_KSPLIT
+    return 1
+
+
 def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     """Launch of gemm_latency.cu for ``M`` (<= _latency_rows) rows of A: one
     CTA per 16-row tile of W (or two, each taking 8 of its rows: half tiles),
@@ -1544,6 +1575,14 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
         args = _jit.cb_fold_variant("gemm_latency", args) or args
     kern = _jit.get_kernel("gemm_latency", *args)
     warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
+    if _dense_latency_ksplit(weight.k, weight.absmax.dtype, half, warps) != 1:
+        args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles, False, False,
+                _DENSE_LATENCY_KSPLIT)
+        if _cb_fold(weight, dtype, "latency", m_tiles):
+            args = _jit.cb_fold_variant("gemm_latency", args) or args
+        kern = _jit.get_kernel("gemm_latency", *args)
+        warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas,
+                                         _DENSE_LATENCY_KSPLIT)
     return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
                            int(half), 0, 1))

@@ -207,6 +207,36 @@ def test_latency_half_k_tiles(monkeypatch, kernels_built_with, dtype, fmt, kspli
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 4])
+def test_dense_latency_half_k_tiles_against_whole_tiles(monkeypatch, kernel_requests, dtype, k):
+    """The dense latency launch where gemm._dense_latency_ksplit takes half K
+    tiles (its bandwidth gate lowered: any GPU): the KSPLIT = 2 variant
+    within the reference's bounds and of
+    the whole-tile launch, every element written, the same bits again; M = 1,
+    3 and 16, K_dim of 3 and 4 K tiles and one that ends inside a tile."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MIN_TBPS", 0.0)
+    asked = kernel_requests
+    for M, N, K_dim in [(1, 2048, 768), (3, 2048, 768), (16, 2050, 1024), (1, 1100, 700)]:
+        got = {}
+        for ksplit in (2, 1):
+            monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT", ksplit)
+            del asked[:]
+            w, A, C = run_case(M, N, K_dim, k, dtype, "latency", seed=K_dim + M)
+            latency = [args for family, args in asked if family == "gemm_latency"]
+            assert latency and all((len(a) == 7 and a[-1] == 2) == (ksplit == 2) for a in latency), \
+                (M, N, K_dim, latency)
+            again = kbit_gemm(cp.asarray(A), w, kernel="latency")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim, ksplit)
+            got[ksplit] = cp.asnumpy(C).astype(np.float32)
+        err = np.linalg.norm(got[2] - got[1]) / max(np.linalg.norm(got[1]), 1e-30)
+        assert err <= TOL[np.dtype(dtype)], (M, N, K_dim, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_codebook_fold_same_bits(kernels_built_with, dtype):
     """gemm_mma.cu and gemm_latency.cu built with KBIT_CB_FOLD=1 (an A/B knob:
     the scale pair's factor moved into the codebook entries) give the same
