@@ -19,6 +19,9 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh base-check # GPU tests of gemm and the call
 #       path, memcheck of the 8- and 16-warp mma launches (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh base-rest  # test_experts, issue 25's table (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-ab  # the dense latency launch's half
+#       K tiles against whole tiles, fp16 and bf16; the compile-test diagnosis (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-check # their GPU tests, memcheck (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -137,6 +140,25 @@ case "${1:-}" in
     run 200 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
     run 330 issue25_${tag}_${commit}_float16.log python benchmarks/full_sweep.py --layers 4096x28672 \
       14336x4096 8192x57344 28672x8192 --m 1 4 8 16 --k 2 3 4 5 --out "$out/issue25_${tag}_${commit}_float16" ;;
+  ksplit-ab)  # (gemm._dense_latency_ksplit; measured on the H200 only) and the compile-test diagnosis
+    warm "" gemm_latency gemm_mma
+    run 60 compile_diag_${tag}_${commit}.txt bash -c 'for t in 2 6 8 16; do
+        w=$(python -c "from kbit_cupy import _jit; print(_jit.gemm_grouped_wg_warpgroups($t, 4))")
+        python benchmarks/compile_diag.py gemm_mma 4 float16 uint8 $t 1 $w True; done
+      python -m pytest -q tests/test_experts.py -k adds_its_shared_memory'
+    ksplit=gemm._DENSE_LATENCY_KSPLIT=1
+    [ "$tag" = h200 ] || ksplit=gemm._DENSE_LATENCY_KSPLIT_MIN_TBPS=0  # default: whole tiles there
+    run 200 define_ab_${tag}_dense_ksplit_${commit}.txt python benchmarks/define_ab.py --define "$ksplit" \
+      --layers 768x2048 1024x4096 2048x768 4096x4096 --m 1 4 16 --k 2 3 4 5
+    run 80 define_ab_${tag}_dense_ksplit_bf16_${commit}.txt python benchmarks/define_ab.py \
+      --define "$ksplit" --layers 768x2048 1024x4096 --m 1 4 16 --k 2 4 --dtype bfloat16 ;;
+  ksplit-check)
+    warm "" gemm_latency gemm_mma
+    run 150 gpu_tests_dense_ksplit_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      -k "dense_latency_half_k_tiles or (small_sweep and latency)"
+    run 100 sanitize_dense_ksplit_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_kernels.py --quick --only latency --k 2 4 \
+      --define gemm._DENSE_LATENCY_KSPLIT_MIN_TBPS=0 ;;
   memcheck|racecheck)
     tool=$1 quick=$([ "$1" = racecheck ] && echo --quick)
     for d in "$KSPLIT2" "$KSPLIT4"; do
@@ -150,5 +172,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|memcheck|racecheck" >&2; exit 2 ;;
 esac
