@@ -1531,29 +1531,35 @@ def _latency_half_tiles(row_tiles: int) -> bool:
 # Half K tiles a warp in the dense latency launch (gemm_latency.cu KSPLIT = 2;
 # 1: whole tiles always, for A/B runs) at the bit widths of
 # _jit.DENSE_LATENCY_KSPLIT_KS with E4M4 scales, on a GPU of
-# _DENSE_LATENCY_KSPLIT_MIN_TBPS or more, where whole tiles give a CTA at most
-# _DENSE_LATENCY_KSPLIT_MAX_WARPS warps and whole row tiles: there each warp
-# holds one or more whole tiles and half tiles double the warps decoding them.
-# H200, fp16, kernel-only, the whole-build knob against whole tiles
-# (results/define_ab_h200_ksplit_c48bd03.txt, M = 1 / 4 / 16, whole tiles'
-# time over half tiles'): 768x2048 (3 warps) k = 2 1.060 / 1.073 / 1.036, k =
-# 4 1.043 / 1.044 / 1.030; 4096x6144 k = 4 (4 warps at its registers) 1.049 /
-# 1.099 / 1.080 (auto runs mma there); where whole tiles already give 8 warps
-# (4096x4096, 4096x6144 at k = 2) or half row tiles run (2048x768, 2048x512)
-# 0.954-1.021; k = 3 and 5 (the dropped words of a part that starts inside a
-# load) down to 0.88 on 768x2048: whole tiles.
+# _DENSE_LATENCY_KSPLIT_MIN_TBPS or more, where whole tiles and whole row tiles
+# leave an SM at most _DENSE_LATENCY_KSPLIT_MAX_SM_WARPS warps (warps a CTA x
+# CTAs an SM): few K tiles on few CTAs, each warp's decode one chain with
+# nothing beside it; half tiles double the warps decoding. H200, kernel-only,
+# whole tiles' time over half tiles' at M = 1 / 4 / 16:
+# - results/define_ab_h200_dense_ksplit_d66b60a.txt (auto, fp16): 768x2048
+#   (3 K tiles, 128 CTAs: 3 warps an SM) k = 2 1.064 / 1.045 / 1.024, k = 4
+#   1.037 / 1.042 / 1.014; bf16 (..._bf16_d66b60a.txt) 1.054 / 1.057 / 1.036
+#   and 1.034 / 1.053 / 1.031. 1024x4096 (4 K tiles, 256 CTAs: 8 warps an SM)
+#   0.976-1.005 at k = 2 and 0.984-0.993 at k = 4, fp16 and bf16: whole tiles.
+# - results/define_ab_h200_ksplit_c48bd03.txt (the latency kernel forced, the
+#   whole-build knob): where whole tiles already give 8 warps a CTA (4096x4096)
+#   or half row tiles run (2048x768, 2048x512) 0.954-1.021; k = 3 and 5 (the
+#   dropped words of a part that starts inside a load) down to 0.88 on
+#   768x2048: whole tiles; 4096x6144 at k = 4 (4 warps a CTA, 3 CTAs an SM)
+#   1.05-1.10, where auto runs mma.
 # Not measured on the H100: whole tiles there.
 _DENSE_LATENCY_KSPLIT = 2
 _DENSE_LATENCY_KSPLIT_MIN_TBPS = _FAST_TBPS
-_DENSE_LATENCY_KSPLIT_MAX_WARPS = 4
+_DENSE_LATENCY_KSPLIT_MAX_SM_WARPS = 4
 
 
-def _dense_latency_ksplit(k: int, scale_dtype, half_rows: bool, warps: int) -> int:
-    """KSPLIT of the dense latency launch whose whole-tile geometry
-    (latency_geometry) gives ``warps`` warps a CTA, with half row tiles or not:
-    _DENSE_LATENCY_KSPLIT where the rule above holds, else 1."""
+def _dense_latency_ksplit(k: int, scale_dtype, half_rows: bool, warps: int, ctas: int) -> int:
+    """KSPLIT of the dense latency launch of ``ctas`` CTAs whose whole-tile
+    geometry (latency_geometry) gives ``warps`` warps a CTA, with half row
+    tiles or not: _DENSE_LATENCY_KSPLIT where the rule above holds, else 1."""
+    sm_warps = warps * math.ceil(ctas / _sm_count())
     if (k in _jit.DENSE_LATENCY_KSPLIT_KS and np.dtype(scale_dtype) == np.uint8
-            and not half_rows and warps <= _DENSE_LATENCY_KSPLIT_MAX_WARPS
+            and not half_rows and sm_warps <= _DENSE_LATENCY_KSPLIT_MAX_SM_WARPS
             and _device_tbps() >= _DENSE_LATENCY_KSPLIT_MIN_TBPS):
         return _DENSE_LATENCY_KSPLIT
     return 1
@@ -1575,7 +1581,7 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
         args = _jit.cb_fold_variant("gemm_latency", args) or args
     kern = _jit.get_kernel("gemm_latency", *args)
     warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
-    if _dense_latency_ksplit(weight.k, weight.absmax.dtype, half, warps) != 1:
+    if _dense_latency_ksplit(weight.k, weight.absmax.dtype, half, warps, ctas) != 1:
         args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles, False, False,
                 _DENSE_LATENCY_KSPLIT)
         if _cb_fold(weight, dtype, "latency", m_tiles):

@@ -210,7 +210,8 @@ def test_latency_half_k_tiles(monkeypatch, kernels_built_with, dtype, fmt, kspli
 @pytest.mark.parametrize("k", [2, 4])
 def test_dense_latency_half_k_tiles_against_whole_tiles(monkeypatch, kernel_requests, dtype, k):
     """The dense latency launch where gemm._dense_latency_ksplit takes half K
-    tiles (its bandwidth gate lowered: any GPU): the KSPLIT = 2 variant
+    tiles (its bandwidth gate lowered: any GPU; its warps bound raised to
+    cover 4 K tiles on 129 row tiles too): the KSPLIT = 2 variant
     within the reference's bounds and of
     the whole-tile launch, every element written, the same bits again; M = 1,
     3 and 16, K_dim of 3 and 4 K tiles and one that ends inside a tile."""
@@ -220,15 +221,16 @@ def test_dense_latency_half_k_tiles_against_whole_tiles(monkeypatch, kernel_requ
 
     monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MIN_TBPS", 0.0)
     asked = kernel_requests
+    monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MAX_SM_WARPS", 16)  # (also 2050x1024's 8)
     for M, N, K_dim in [(1, 2048, 768), (3, 2048, 768), (16, 2050, 1024), (1, 1100, 700)]:
         got = {}
         for ksplit in (2, 1):
             monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT", ksplit)
             del asked[:]
             w, A, C = run_case(M, N, K_dim, k, dtype, "latency", seed=K_dim + M)
-            latency = [args for family, args in asked if family == "gemm_latency"]
-            assert latency and all((len(a) == 7 and a[-1] == 2) == (ksplit == 2) for a in latency), \
-                (M, N, K_dim, latency)
+            # (the whole-tile variant is asked first: its geometry decides)
+            half = [args for family, args in asked if family == "gemm_latency" and len(args) == 7]
+            assert all(a[-1] == 2 for a in half) and bool(half) == (ksplit == 2), (M, N, K_dim, asked)
             again = kbit_gemm(cp.asarray(A), w, kernel="latency")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim, ksplit)
             got[ksplit] = cp.asnumpy(C).astype(np.float32)
