@@ -24,22 +24,34 @@ def main() -> None:
         except (ValueError, SyntaxError):
             args.append(a)
     v = _jit.Variant(o.family, tuple(args))
-    options = [*_jit.compile_options(), "-ftz=true", "--ptxas-options=-v", f"-arch={o.arch}"]
-    ok, log, lowered = _jit._nvrtc_compile(_jit.render_source(o.family), [v.name], options)
     print("variant", v.name)
-    print("ok", ok, "lowered", lowered)
     try:
         from cupy_backends.cuda.libs import nvrtc
         print("nvrtc", nvrtc.getVersion())
     except Exception as e:  # noqa: BLE001 - a diagnostic
         print("nvrtc version unknown:", e)
-    print("log chars", len(log))
-    for line in log.splitlines():
-        if "ptxas" in line or "Compiling entry" in line or "Used" in line or "spill" in line:
-            print("  ", line[:300])
-    print("parsed", _jit._parse_ptxas(log))
+    seen = []
+    compile_once = _jit._nvrtc_compile
+
+    def recording(*a):
+        out = compile_once(*a)
+        seen.append((a[2], out))
+        return out
+
+    _jit._nvrtc_compile = recording
+    # the check first (as a test in a fresh process), then the same program twice directly
     (res,) = _jit.compile_check([o.arch], [v])
     print("compile_check", res.ok, res.registers, res.spill_bytes, res.smem_bytes, res.log[:300])
+    options = [*_jit.compile_options(), "-ftz=true", "--ptxas-options=-v", f"-arch={o.arch}"]
+    for _ in range(2):
+        recording(_jit.render_source(o.family), [v.name], options)
+    for opts, (ok, log, lowered) in seen:
+        print("-- options", opts)
+        print("ok", ok, "lowered", lowered, "log chars", len(log))
+        for line in log.splitlines():
+            if "ptxas" in line or "Compiling entry" in line or "Used" in line or "spill" in line:
+                print("  ", line[:240])
+        print("parsed", {n[:60]: st for n, st in _jit._parse_ptxas(log).items()})
 
 
 if __name__ == "__main__":
