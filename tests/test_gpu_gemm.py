@@ -222,7 +222,7 @@ def test_dense_latency_half_k_tiles_against_whole_tiles(monkeypatch, kernel_requ
     monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MIN_TBPS", 0.0)
     asked = kernel_requests
     monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MAX_SM_WARPS", 16)  # (also 2050x1024's 8)
-    for M, N, K_dim in [(1, 2048, 768), (3, 2048, 768), (16, 2050, 1024), (1, 1100, 700)]:
+    for M, N, K_dim in [(1, 2048, 768), (3, 2048, 768), (16, 2050, 1024), (1, 1100, 704)]:
         got = {}
         for ksplit in (2, 1):
             monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT", ksplit)
