@@ -567,16 +567,60 @@ def compile_check(archs: list[str], variants: list[Variant] | None = None,
             on_result(r)
 
     args = [(sources[v.family], [v.name], [*base, f"-arch={arch}"]) for v, arch in tasks]
+    cached: list[int] = []  # compiled, but ptxas did not run: NVRTC's cache (below)
+
+    def done(i: int, ok: bool, log: str, lowered: dict, again: bool = True) -> None:
+        if again and ok and lowered.get(tasks[i][0].name, "") not in _parse_ptxas(log):
+            cached.append(i)
+        else:
+            finish(i, ok, log, lowered)
+
     if jobs == 1 or len(tasks) == 1:
         for i, a in enumerate(args):
-            finish(i, *_nvrtc_compile(*a))
+            done(i, *_nvrtc_compile(*a))
     else:
         # processes, not threads: NVRTC holds the GIL for most of a compile
         with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
             futures = {pool.submit(_nvrtc_compile, *a): i for i, a in enumerate(args)}
             for fut in concurrent.futures.as_completed(futures):
-                finish(futures[fut], *fut.result())
+                done(futures[fut], *fut.result())
+    if cached:
+        # Where a GPU driver is installed, NVRTC 13 reuses a cubin it built
+        # before from the same PTX (the driver's compute cache) and then runs
+        # no ptxas, so -v reports nothing: on an H200 the same check passed in
+        # one process and failed in the next (benchmarks/results/
+        # nvrtc_cache_probe_h200_82fc7bd.txt). CUDA_CACHE_DISABLE=1 turns that
+        # off only where it is set before NVRTC loads, so those variants compile
+        # again in a fresh interpreter started with it.
+        for i, out in zip(cached, _compile_uncached([args[i] for i in cached])):
+            done(i, *out, again=False)
     return results
+
+
+_UNCACHED_CHILD = (
+    "import pickle, sys\n"
+    "from kbit_cupy._jit import _nvrtc_compile\n"
+    "tasks = pickle.load(sys.stdin.buffer)\n"
+    "pickle.dump([_nvrtc_compile(*t) for t in tasks], sys.stdout.buffer)\n"
+)
+
+
+def _compile_uncached(tasks: list) -> list:
+    """_nvrtc_compile of each (source, names, options) in one new Python
+    process whose NVRTC starts with CUDA_CACHE_DISABLE=1 (see compile_check)."""
+    import pickle
+    import subprocess
+    import sys
+
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, CUDA_CACHE_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", _UNCACHED_CHILD], input=pickle.dumps(tasks),
+                          capture_output=True, env=env, check=False)
+    if done.returncode:
+        raise RuntimeError("the uncached compile process failed: "
+                           + done.stderr.decode(errors="replace")[-2000:])
+    return pickle.loads(done.stdout)  # (our own child's output)
 
 
 def _variant_problems(v: Variant, st: dict, log: str, mangled: str) -> list[str]:

@@ -121,3 +121,25 @@ def test_static_shared_memory_off_a_128_byte_line_fails_the_check(family, args, 
     st = {"registers": 100, "spill": 0, "stack": 0, "smem": smem}
     problems = _jit._variant_problems(_jit.Variant(family, args), st, "", "")
     assert any("static shared memory" in p for p in problems) == flagged, problems
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC and CUDA headers not installed")
+def test_a_compile_without_a_ptxas_report_runs_again_uncached(monkeypatch):
+    """Where NVRTC answers from a cache and ptxas does not run (NVRTC 13 with
+    a GPU driver: the driver's compute cache), the check compiles those
+    variants again in a process started with CUDA_CACHE_DISABLE=1 and reports
+    what ptxas says, instead of failing with "no ptxas report"."""
+    compile_once = _jit._nvrtc_compile
+    asked = []
+
+    def cached(source, names, options):  # what a cache hit returns: no ptxas lines
+        ok, _, lowered = compile_once(source, names, options)
+        asked.append(names)
+        return ok, "", lowered
+
+    monkeypatch.setattr(_jit, "_nvrtc_compile", cached)
+    variants = [_jit.Variant("gemm_latency", (4, "float16", "uint8", 1)),
+                _jit.Variant("dequantize", (3, "float16", "uint8"))]
+    results = _jit.compile_check(["sm_90a"], variants, jobs=1)
+    assert len(asked) == 2  # the first pass; the second ran in the child
+    assert all(r.ok and r.registers > 0 and r.spill_bytes == 0 for r in results), results

@@ -169,6 +169,9 @@ def test_latency_half_tiles_same_bits_as_whole_tiles(monkeypatch, dtype, fmt):
 
     from kbit_cupy import gemm
 
+    # whole K tiles a warp in both (the dense half K tiles, gemm._dense_latency_ksplit,
+    # would take 129x800's whole row tiles and change their K split)
+    monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT", 1)
     for M, N, K_dim, k in [(1, 8, 32, 2), (3, 40, 2048, 3), (17, 129, 800, 4), (16, 300, 256, 5),
                            (5, 24, 4352, 2), (1, 768, 2048, 4), (8, 2100, 512, 3)]:
         outs = {}
