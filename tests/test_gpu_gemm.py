@@ -213,18 +213,18 @@ def test_latency_half_k_tiles(monkeypatch, kernels_built_with, dtype, fmt, kspli
 @pytest.mark.parametrize("k", [2, 4])
 def test_dense_latency_half_k_tiles_against_whole_tiles(monkeypatch, kernel_requests, dtype, k):
     """The dense latency launch where gemm._dense_latency_ksplit takes half K
-    tiles (its bandwidth gate lowered: any GPU; its warps bound raised to
-    cover 4 K tiles on 129 row tiles too): the KSPLIT = 2 variant
-    within the reference's bounds and of
-    the whole-tile launch, every element written, the same bits again; M = 1,
-    3 and 16, K_dim of 3 and 4 K tiles and one that ends inside a tile."""
+    tiles (its bandwidth gate lowered and its warps bound raised: any GPU,
+    whatever its SM count): the KSPLIT = 2 variant within the reference's
+    bounds and of the whole-tile launch, every element written, the same bits
+    again; M = 1, 3 and 16, K_dim of 3 and 4 K tiles and one that ends inside
+    a tile."""
     import cupy as cp
 
     from kbit_cupy import gemm
 
     monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MIN_TBPS", 0.0)
     asked = kernel_requests
-    monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MAX_SM_WARPS", 16)  # (also 2050x1024's 8)
+    monkeypatch.setattr(gemm, "_DENSE_LATENCY_KSPLIT_MAX_SM_WARPS", 64)  # (fewer SMs: more CTAs an SM)
     for M, N, K_dim in [(1, 2048, 768), (3, 2048, 768), (16, 2050, 1024), (1, 1100, 704)]:
         got = {}
         for ksplit in (2, 1):
