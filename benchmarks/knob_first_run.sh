@@ -22,6 +22,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-ab  # the dense latency launch's half
 #       K tiles against whole tiles, fp16 and bf16; the compile-test diagnosis (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-check # their GPU tests, memcheck (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-bound # the rule's bound: 2 and 5-7 warps an SM (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -152,6 +153,13 @@ case "${1:-}" in
       --layers 768x2048 1024x4096 2048x768 4096x4096 --m 1 4 16 --k 2 3 4 5
     run 80 define_ab_${tag}_dense_ksplit_bf16_${commit}.txt python benchmarks/define_ab.py \
       --define "$ksplit" --layers 768x2048 1024x4096 --m 1 4 16 --k 2 4 --dtype bfloat16 ;;
+  ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
+    warm "" gemm_latency
+    bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
+    [ "$tag" = h200 ] || bound=$bound,gemm._DENSE_LATENCY_KSPLIT_MIN_TBPS=0
+    run 200 define_ab_${tag}_dense_ksplit_bound_${commit}.txt python benchmarks/define_ab.py \
+      --define gemm._DENSE_LATENCY_KSPLIT=1 --define "$bound" \
+      --layers 512x2048 768x4096 1280x2048 1536x2048 --m 1 4 16 --k 2 4 --reps 15 ;;
   ksplit-check)
     warm "" gemm_latency gemm_mma
     run 150 gpu_tests_dense_ksplit_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
@@ -172,5 +180,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
 esac
