@@ -1576,19 +1576,21 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     half = _latency_half_tiles(rt_n)
     ctas = 2 * rt_n if half else rt_n
     m_tiles = next(t for t in _jit.GEMM_LATENCY_M_TILES if 8 * t >= M)
-    args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles)
-    if _cb_fold(weight, dtype, "latency", m_tiles):
-        args = _jit.cb_fold_variant("gemm_latency", args) or args
-    kern = _jit.get_kernel("gemm_latency", *args)
-    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
-    if _dense_latency_ksplit(weight.k, weight.absmax.dtype, half, warps, ctas) != 1:
-        args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles, False, False,
-                _DENSE_LATENCY_KSPLIT)
-        if _cb_fold(weight, dtype, "latency", m_tiles):
+    fold = _cb_fold(weight, dtype, "latency", m_tiles)
+
+    def kernel(ksplit: int):  # the variant of KSPLIT `ksplit`, folded where _cb_fold says
+        args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles,
+                *((False, False, ksplit) if ksplit != 1 else ()))
+        if fold:
             args = _jit.cb_fold_variant("gemm_latency", args) or args
-        kern = _jit.get_kernel("gemm_latency", *args)
-        warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas,
-                                         _DENSE_LATENCY_KSPLIT)
+        return _jit.get_kernel("gemm_latency", *args)
+
+    kern = kernel(1)
+    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
+    ksplit = _dense_latency_ksplit(weight.k, weight.absmax.dtype, half, warps, ctas)
+    if ksplit != 1:  # (the whole-tile geometry decides; the half-tile one launches)
+        kern = kernel(ksplit)
+        warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas, ksplit)
     return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
                            int(half), 0, 1))
