@@ -23,6 +23,7 @@
 #       K tiles against whole tiles, fp16 and bf16; the compile-test diagnosis (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-check # their GPU tests, memcheck (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-bound # the rule's bound: 2 and 5-7 warps an SM (~3 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu    # ncu of the grouped launch, T = 128 / 512 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -153,6 +154,17 @@ case "${1:-}" in
       --layers 768x2048 1024x4096 2048x768 4096x4096 --m 1 4 16 --k 2 3 4 5
     run 80 define_ab_${tag}_dense_ksplit_bf16_${commit}.txt python benchmarks/define_ab.py \
       --define "$ksplit" --layers 768x2048 1024x4096 --m 1 4 16 --k 2 4 --dtype bfloat16 ;;
+  moe-ncu)  # ncu of the grouped launch where issue 21 misses (T = 128, 512), and the rule's bound
+    warm "" gemm_latency gemm_mma
+    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    for c in e128_top8_768x2048:512 e128_top8_768x2048:128 e128_top8_2048x1536:128; do
+      run 150 ncu_moe_${c%%:*}_T${c##*:}_${tag}_${commit}.txt "$ncu" --clock-control none \
+        --kernel-name regex:kbit_gemm_mma --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
+        --section ComputeWorkloadAnalysis --section LaunchStats --section WarpStateStats \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+        python benchmarks/profile_moe.py "${c%%:*}" "${c##*:}"
+    done ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
