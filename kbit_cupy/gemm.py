@@ -1547,10 +1547,16 @@ def _latency_half_tiles(row_tiles: int) -> bool:
 #   dropped words of a part that starts inside a load) down to 0.88 on
 #   768x2048: whole tiles; 4096x6144 at k = 4 (4 warps a CTA, 3 CTAs an SM)
 #   1.05-1.10, where auto runs mma.
+# - results/define_ab_h200_dense_ksplit_bound_d98d75e.txt (auto, fp16, the
+#   bound raised to 8 against 4 and against whole tiles): 512x2048 (2 warps an
+#   SM, half tiles already) whole tiles 0.90-0.93; 1280x2048 (5 K tiles, 128
+#   CTAs: 5 warps) 1.007-1.049; 1536x2048 (6) 1.009-1.045 but k = 4 at M = 4
+#   0.992; 768x4096 (3 K tiles, 256 CTAs: 6) 1.036-1.050. So the bound is 6:
+#   8 (1024x4096, above) keeps whole tiles; 7 not measured.
 # Not measured on the H100: whole tiles there.
 _DENSE_LATENCY_KSPLIT = 2
 _DENSE_LATENCY_KSPLIT_MIN_TBPS = _FAST_TBPS
-_DENSE_LATENCY_KSPLIT_MAX_SM_WARPS = 4
+_DENSE_LATENCY_KSPLIT_MAX_SM_WARPS = 6
 
 
 def _dense_latency_ksplit(k: int, scale_dtype, half_rows: bool, warps: int, ctas: int) -> int:
