@@ -24,6 +24,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-check # their GPU tests, memcheck (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-bound # the rule's bound: 2 and 5-7 warps an SM (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu    # ncu of the grouped launch, T = 128 / 512 (~3 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-knobs  # the grouped launch's warpgroups, mma.sync or wgmma (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -165,6 +166,18 @@ case "${1:-}" in
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
         python benchmarks/profile_moe.py "${c%%:*}" "${c##*:}"
     done ;;
+  moe-knobs)  # the grouped launch's warpgroups and path where issue 21 misses (T = 8..512)
+    warm "" gemm_latency gemm_mma
+    for c in 768x2048:128:512:experts._GROUPED_WG_WARPGROUPS=3 768x2048:128:512:experts._GROUPED_WG_WARPGROUPS=2 \
+             2048x1536:128:128:experts._GROUPED_WG_WARPGROUPS=2; do
+      IFS=: read -r shape t1 t2 knob <<< "$c"
+      run 110 moe_gap_probe_${tag}_${shape}_${knob//[^A-Za-z0-9]/_}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts 128 --top-k 8 --shape "$shape" --t $t1 $t2 --ab "$knob"
+    done
+    run 80 moe_gap_probe_${tag}_768x2048_wg_ab_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 128 --top-k 8 --shape 768x2048 --t 128 --wg-ab
+    run 80 moe_gap_probe_${tag}_e512_wg_ab_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 512 --top-k 10 --shape 2048x512 --t 8 32 --wg-ab ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
