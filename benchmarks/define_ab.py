@@ -17,6 +17,7 @@ the default build's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib
 
@@ -69,6 +70,9 @@ def module_attributes(values: dict, clear: bool = True):
 
 
 _HELD = contextlib.ExitStack()  # whole_run_with's settings, held until the process exits
+# (closed by atexit, while the modules it restores still exist: left to the
+# interpreter's teardown, its exit raised ImportError after every sanitizer run)
+atexit.register(_HELD.close)
 
 
 def whole_run_with(spec: str) -> None:
