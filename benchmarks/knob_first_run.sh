@@ -25,6 +25,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ksplit-bound # the rule's bound: 2 and 5-7 warps an SM (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu    # ncu of the grouped launch, T = 128 / 512 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-knobs  # the grouped launch's warpgroups, mma.sync or wgmma (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc    # uniform wgmma descriptors against the old ones (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -178,6 +179,18 @@ case "${1:-}" in
       --experts 128 --top-k 8 --shape 768x2048 --t 128 --wg-ab
     run 80 moe_gap_probe_${tag}_e512_wg_ab_${commit}.txt python benchmarks/moe_gap_probe.py \
       --experts 512 --top-k 10 --shape 2048x512 --t 8 32 --wg-ab ;;
+  wg-desc)  # the wgmma descriptors in a uniform register (KBIT_WG_DESC_UNIFORM=0: as before) against the default
+    warm "" gemm_mma
+    warm KBIT_WG_DESC_UNIFORM=0 gemm_mma
+    for c in 128:2048x1536:128,512 128:768x2048:128,512 512:2048x512:32,128; do
+      IFS=: read -r e shape ts <<< "$c"
+      run 150 moe_gap_probe_${tag}_wg_desc_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k $([ "$e" = 512 ] && echo 10 || echo 8) --shape "$shape" --t ${ts//,/ } \
+        --ab KBIT_WG_DESC_UNIFORM=0
+    done
+    run 200 define_ab_${tag}_wg_desc_${commit}.txt python benchmarks/define_ab.py \
+      --define KBIT_WG_DESC_UNIFORM=0 --layers 768x2048 4096x4096 14336x4096 \
+      --m 32 64 128 --k 2 4 --kernel wgmma --reps 15 ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8

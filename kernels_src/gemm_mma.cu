@@ -1346,6 +1346,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     const int x_sw = (lane >> 3) ^ (lane & 7);
     const unsigned x_even = x_base + buf * (kStageChunks * 16) + (lane & 7) * 512 + x_sw * 16;
     const unsigned x_odd = x_even + (x_sw & 4 ? -64 : 64);
+    // The wgmma path below slab staging: the stage's descriptor (KBIT_WG_DESC_UNIFORM).
+    unsigned long long stage_desc = 0;
+    if constexpr (WG && !kSlab && KBIT_WG_DESC_UNIFORM)
+      stage_desc = wgmma_desc_sw128_uniform(x_base + buf * (kStageChunks * 16));
     const bool in_seg = i + 1 < seg_n;
     const bool has_next = in_seg || seg_more;
     const int next_kt = in_seg ? seg_kt0 + i + 1 : 0;
@@ -1493,9 +1497,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
           for (int slab = 0; slab < 2; ++slab) {
             const int step = 2 * j + slab;
-            const unsigned stage_addr = x_base + buf * (kStageChunks * 16) +
-                                        (step >> 2) * (8 * M_TILES * 128) + (step & 3) * 32;
-            Wgmma<T, 8 * M_TILES>::run(acc[0], a[slab], wgmma_desc_sw128(stage_addr));
+            const unsigned step_off = (step >> 2) * (8 * M_TILES * 128) + (step & 3) * 32;
+#if KBIT_WG_DESC_UNIFORM
+            Wgmma<T, 8 * M_TILES>::run(acc[0], a[slab], stage_desc + (step_off >> 4));
+#else
+            Wgmma<T, 8 * M_TILES>::run(acc[0], a[slab],
+                                       wgmma_desc_sw128(x_base + buf * (kStageChunks * 16) + step_off));
+#endif
           }
         }
         wgmma_commit();

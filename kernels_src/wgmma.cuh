@@ -19,6 +19,25 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_add
          ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// KBIT_WG_DESC_UNIFORM 1 (default): the non-slab wgmma loop (gemm_mma.cu)
+// builds a stage's descriptor once per K tile, its low word through one
+// redux.sync (the same value in every lane, so it lands in a uniform
+// register), and each wgmma's descriptor is that plus the k16 step's offset / 16
+// (exact: the address field is bits 0..13 of the low word and shared
+// addresses stay below 2^18). 0: each wgmma's descriptor from its address,
+// which ptxas built in ordinary registers (VIADD, LOP3, SHF, LOP3, IMAD.MOV
+// and two R2UR per wgmma: 224 of the 1129 instructions per two K tiles of
+// k = 4's 16-row grouped launch, benchmarks/sass_loop.py).
+#ifndef KBIT_WG_DESC_UNIFORM
+#define KBIT_WG_DESC_UNIFORM 1
+#endif
+// wgmma_desc_sw128(smem_addr), its low word uniform across the warp (every lane
+// active and holding the same address).
+__device__ __forceinline__ unsigned long long wgmma_desc_sw128_uniform(unsigned smem_addr) {
+  const unsigned lo = __reduce_or_sync(0xffffffffu, (unsigned)wgmma_desc_sw128(smem_addr));
+  return (unsigned long long)lo | (wgmma_desc_sw128(0u) & 0xFFFFFFFF00000000ull);
+}
+
 // D[64 x N] += A[64 x 16] (registers: each warp its 16 rows, the m16n8k16
 // A-fragment order) * B[16 x N] (shared memory, descriptor), fp32 D.
 template <typename T, int N> struct Wgmma;
