@@ -26,6 +26,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu    # ncu of the grouped launch, T = 128 / 512 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-knobs  # the grouped launch's warpgroups, mma.sync or wgmma (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc    # uniform wgmma descriptors against the old ones (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-check # their GPU tests; moe_linear's routing at 4096 pairs (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -191,6 +192,13 @@ case "${1:-}" in
     run 200 define_ab_${tag}_wg_desc_${commit}.txt python benchmarks/define_ab.py \
       --define KBIT_WG_DESC_UNIFORM=0 --layers 768x2048 4096x4096 14336x4096 \
       --m 32 64 128 --k 2 4 --kernel wgmma --reps 15 ;;
+  wg-desc-check)  # GPU tests of the wgmma paths and the MoE calls; moe_linear's in-launch routing at 4096 pairs
+    warm "" gemm_mma gemm_latency moe_route
+    run 260 gpu_tests_wgmma_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      -k "wgmma or small_sweep or wide_sweep"
+    run 200 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
+    run 90 moe_gap_probe_${tag}_fused_route_2048_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 128 --top-k 8 --shape 768x2048 --t 512 --ab experts._FUSED_ROUTE_MAX_PAIRS=2048 ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
