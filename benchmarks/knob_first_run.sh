@@ -27,6 +27,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-knobs  # the grouped launch's warpgroups, mma.sync or wgmma (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc    # uniform wgmma descriptors against the old ones (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-check # their GPU tests; moe_linear's routing at 4096 pairs (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-table  # issue 21's table, the rest of test_gpu_gemm, the bound in bf16 (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -199,6 +200,15 @@ case "${1:-}" in
     run 200 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
     run 90 moe_gap_probe_${tag}_fused_route_2048_${commit}.txt python benchmarks/moe_gap_probe.py \
       --experts 128 --top-k 8 --shape 768x2048 --t 512 --ab experts._FUSED_ROUTE_MAX_PAIRS=2048 ;;
+  moe-table)  # issue 21's table (moe_vs_grouped_mm, T = 1..512), the rest of test_gpu_gemm, the bound's A/B in bf16
+    warm "" gemm_mma gemm_latency moe_route
+    run 260 moe_vs_grouped_mm_${tag}_${commit}.txt python benchmarks/moe_vs_grouped_mm.py --t 1 8 32 128 512 \
+      --out "$out/moe_vs_grouped_mm_${tag}_${commit}"
+    run 200 gpu_tests_gemm_rest_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      -k "not (wgmma or small_sweep or wide_sweep)"
+    run 120 define_ab_${tag}_dense_ksplit_bound_bf16_${commit}.txt python benchmarks/define_ab.py \
+      --define gemm._DENSE_LATENCY_KSPLIT=1 --layers 768x4096 1280x2048 1536x2048 --m 1 4 16 --k 2 4 \
+      --reps 15 --dtype bfloat16 ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
