@@ -28,6 +28,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc    # uniform wgmma descriptors against the old ones (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-check # their GPU tests; moe_linear's routing at 4096 pairs (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-table  # issue 21's table, the rest of test_gpu_gemm, the bound in bf16 (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-sanitize # memcheck, racecheck of the wgmma launches (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -209,6 +210,14 @@ case "${1:-}" in
     run 120 define_ab_${tag}_dense_ksplit_bound_bf16_${commit}.txt python benchmarks/define_ab.py \
       --define gemm._DENSE_LATENCY_KSPLIT=1 --layers 768x4096 1280x2048 1536x2048 --m 1 4 16 --k 2 4 \
       --reps 15 --dtype bfloat16 ;;
+  wg-desc-sanitize)  # memcheck and racecheck of the wgmma launches (grouped and dense) with the uniform descriptors
+    warm "" gemm_mma gemm_latency moe_route
+    run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 2 4 5
+    run 120 sanitize_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_kernels.py --quick --only wgmma --k 2 4
+    run 150 sanitize_moe_wgmma_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 4 ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
@@ -236,5 +245,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
 esac
