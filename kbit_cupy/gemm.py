@@ -1549,10 +1549,12 @@ def _latency_half_tiles(row_tiles: int) -> bool:
 #   1.05-1.10, where auto runs mma.
 # - results/define_ab_h200_dense_ksplit_bound_d98d75e.txt (auto, fp16, the
 #   bound raised to 8 against 4 and against whole tiles): 512x2048 (2 warps an
-#   SM, half tiles already) whole tiles 0.90-0.93; 1280x2048 (5 K tiles, 128
-#   CTAs: 5 warps) 1.007-1.049; 1536x2048 (6) 1.009-1.045 but k = 4 at M = 4
-#   0.992; 768x4096 (3 K tiles, 256 CTAs: 6) 1.036-1.050. So the bound is 6:
-#   8 (1024x4096, above) keeps whole tiles; 7 not measured.
+#   SM, half tiles already) 1.08-1.11; 1280x2048 (5 K tiles, 128 CTAs: 5
+#   warps) 1.007-1.049; 1536x2048 (6) 1.009-1.045 but k = 4 at M = 4 0.992;
+#   768x4096 (3 K tiles, 256 CTAs: 6) 1.036-1.050. So the bound is 6: 8
+#   (1024x4096, above) keeps whole tiles; 7 not measured. bf16 at the bound
+#   (define_ab_h200_dense_ksplit_bound_bf16_ceb6d33.txt, 768x4096, 1280x2048,
+#   1536x2048): 1.007-1.063 at all 18 points.
 # Not measured on the H100: whole tiles there.
 _DENSE_LATENCY_KSPLIT = 2
 _DENSE_LATENCY_KSPLIT_MIN_TBPS = _FAST_TBPS
