@@ -29,6 +29,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-check # their GPU tests; moe_linear's routing at 4096 pairs (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-table  # issue 21's table, the rest of test_gpu_gemm, the bound in bf16 (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-sanitize # memcheck, racecheck of the wgmma launches (~7 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-quarter # the MoE few-pair launch at quarter K tiles (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -218,6 +219,13 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py --quick --only wgmma --k 2 4
     run 150 sanitize_moe_wgmma_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
       python benchmarks/sanitize_moe.py --quick --wgmma --k 4 ;;
+  moe-quarter)  # the few-pair MoE launch at quarter K tiles (KSPLIT 4) against half (the default at k = 4 on the H200)
+    warm "" gemm_latency
+    for c in 128:8:2048x1536 128:8:768x2048; do
+      IFS=: read -r e topk shape <<< "$c"
+      run 100 moe_gap_probe_${tag}_quarter_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k "$topk" --shape "$shape" --t 1 2 --ab experts._MOE_LATENCY_KSPLIT=4
+    done ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
@@ -245,5 +253,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
 esac
