@@ -30,6 +30,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-table  # issue 21's table, the rest of test_gpu_gemm, the bound in bf16 (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-sanitize # memcheck, racecheck of the wgmma launches (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-quarter # the MoE few-pair launch at quarter K tiles (~3 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -226,6 +227,15 @@ case "${1:-}" in
       run 100 moe_gap_probe_${tag}_quarter_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts "$e" --top-k "$topk" --shape "$shape" --t 1 2 --ab experts._MOE_LATENCY_KSPLIT=4
     done ;;
+  moe-ncu-source)  # per-instruction stall samples of the grouped Hopper launch (T = 512 and 128; no warm: one variant each)
+    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    for c in e128_top8_768x2048:512 e128_top8_2048x1536:128; do
+      name=ncu_source_moe_${c%%:*}_T${c##*:}_${tag}_${commit}
+      run 100 $name.txt "$ncu" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-skip 2 \
+        --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
+        python benchmarks/profile_moe.py "${c%%:*}" "${c##*:}"
+      "$ncu" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+    done ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
@@ -253,5 +263,5 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
 esac
