@@ -235,6 +235,7 @@ case "${1:-}" in
         --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
         python benchmarks/profile_moe.py "${c%%:*}" "${c##*:}"
       "$ncu" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+      run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
   ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
     warm "" gemm_latency
