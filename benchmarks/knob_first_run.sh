@@ -49,6 +49,7 @@ KSPLIT4=KBIT_LATENCY_KSPLIT=4,_jit.GEMM_LATENCY_KSPLIT=4
 K5_OFF=_jit.GEMM_WG_K5_FULL_ROWS=0
 FOLD=KBIT_CB_FOLD=1
 BASE_OFF=KBIT_TAB_UNIFORM_BASE=0
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)  # (the ncu steps)
 
 # run LIMIT FILE CMD...: CMD under a time limit, its output to $out/FILE (and the
 # last lines here); a step cut off by its limit says so in its file
@@ -161,11 +162,10 @@ case "${1:-}" in
       --layers 768x2048 1024x4096 2048x768 4096x4096 --m 1 4 16 --k 2 3 4 5
     run 80 define_ab_${tag}_dense_ksplit_bf16_${commit}.txt python benchmarks/define_ab.py \
       --define "$ksplit" --layers 768x2048 1024x4096 --m 1 4 16 --k 2 4 --dtype bfloat16 ;;
-  moe-ncu)  # ncu of the grouped launch where issue 21 misses (T = 128, 512), and the rule's bound
+  moe-ncu)  # ncu of the grouped launch where issue 21 misses (T = 128, 512)
     warm "" gemm_latency gemm_mma
-    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     for c in e128_top8_768x2048:512 e128_top8_768x2048:128 e128_top8_2048x1536:128; do
-      run 150 ncu_moe_${c%%:*}_T${c##*:}_${tag}_${commit}.txt "$ncu" --clock-control none \
+      run 150 ncu_moe_${c%%:*}_T${c##*:}_${tag}_${commit}.txt "$NCU" --clock-control none \
         --kernel-name regex:kbit_gemm_mma --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
         --section ComputeWorkloadAnalysis --section LaunchStats --section WarpStateStats \
@@ -228,16 +228,15 @@ case "${1:-}" in
         --experts "$e" --top-k "$topk" --shape "$shape" --t 1 2 --ab experts._MOE_LATENCY_KSPLIT=4
     done ;;
   moe-ncu-source)  # per-instruction stall samples of the grouped Hopper launch (T = 512 and 128; no warm: one variant each)
-    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     for c in e128_top8_768x2048:512 e128_top8_2048x1536:128; do
       name=ncu_source_moe_${c%%:*}_T${c##*:}_${tag}_${commit}
-      run 100 $name.txt "$ncu" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-skip 2 \
+      run 100 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-skip 2 \
         --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
         python benchmarks/profile_moe.py "${c%%:*}" "${c##*:}"
-      "$ncu" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+      "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
-  ksplit-bound)  # the rule's bound of 4 warps an SM: layers of 2 and 5-7 warps an SM (not run yet)
+  ksplit-bound)  # the rule's bound (raised to 8 here): layers of 2 and 5-6 warps an SM (run at d98d75e: the bound is 6)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8
     [ "$tag" = h200 ] || bound=$bound,gemm._DENSE_LATENCY_KSPLIT_MIN_TBPS=0
