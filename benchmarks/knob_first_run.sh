@@ -30,6 +30,9 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-table  # issue 21's table, the rest of test_gpu_gemm, the bound in bf16 (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-desc-sanitize # memcheck, racecheck of the wgmma launches (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-quarter # the MoE few-pair launch at quarter K tiles (~3 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store     # 8-byte C stores, located experts: A/B (~7 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-dense  # the same stores on dense layers (~4 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-check  # their GPU tests (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -196,6 +199,26 @@ case "${1:-}" in
     run 200 define_ab_${tag}_wg_desc_${commit}.txt python benchmarks/define_ab.py \
       --define KBIT_WG_DESC_UNIFORM=0 --layers 768x2048 4096x4096 14336x4096 \
       --m 32 64 128 --k 2 4 --kernel wgmma --reps 15 ;;
+  quad-store)  # C in 8-byte pieces (KBIT_QUAD_STORE=0: 2-byte stores) and the next expert found from the current one (KBIT_LOCATE_HINT=0: binary search), each against the default
+    warm "" gemm_mma
+    for c in 128:768x2048:32,128,512 128:2048x1536:8,128,512 512:2048x512:32,128 8:4096x28672:128,512; do
+      IFS=: read -r e shape ts <<< "$c"
+      topk=$([ "$e" = 512 ] && echo 10 || { [ "$e" = 8 ] && echo 2 || echo 8; })
+      for d in KBIT_QUAD_STORE=0 KBIT_LOCATE_HINT=0; do
+        run 120 moe_gap_probe_${tag}_${d%%=*}_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+          --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab "$d"
+      done
+    done ;;
+  quad-store-dense)  # the dense launches' C stores in 8-byte pieces against 2-byte stores
+    warm "" gemm_mma
+    run 300 define_ab_${tag}_quad_store_${commit}.txt python benchmarks/define_ab.py \
+      --define KBIT_QUAD_STORE=0 --layers 768x2048 2048x768 4096x4096 \
+      --m 16 32 64 128 256 --k 2 4 --reps 15 ;;
+  quad-store-check)  # GPU tests of the store paths, the grouped launch and the wgmma paths
+    warm "" gemm_mma gemm_latency moe_route
+    run 200 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
+    run 300 gpu_tests_gemm_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      -k "alignment or wgmma or small_sweep or wide_sweep or both_work_splits or eight_warp" ;;
   wg-desc-check)  # GPU tests of the wgmma paths and the MoE calls; moe_linear's in-launch routing at 4096 pairs
     warm "" gemm_mma gemm_latency moe_route
     run 260 gpu_tests_wgmma_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \

@@ -247,6 +247,18 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #ifndef KBIT_FAST_STORE
 #define KBIT_FAST_STORE 1
 #endif
+// With those fast stores, C's rows in 8-byte pieces (acc_quad_rows,
+// mma_common.cuh: two shuffles a tile) where N % 4 == 0 and C is 8-byte
+// aligned, instead of 2-byte stores (0: those, for A/B runs; see
+// benchmarks/NOTES-gemm.md).
+#ifndef KBIT_QUAD_STORE
+#define KBIT_QUAD_STORE 1
+#endif
+// The grouped launch's next segment's expert searched from the current
+// one's (locate; 0: a binary search over all experts, for A/B runs).
+#ifndef KBIT_LOCATE_HINT
+#define KBIT_LOCATE_HINT 1
+#endif
 
 #ifndef KBIT_GROUPED_SLACK_HALVES
 #define KBIT_GROUPED_SLACK_HALVES 1  // (the grouped launch's split; see its use)
@@ -581,21 +593,37 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   struct Place {
     int gl;        // group within the problem (the group itself when not grouped)
     int p;         // problem (0 when not grouped)
-    int tile0;     // the expert's first tile
+    int e;         // the expert (0 when not grouped): its first tile e * row_tiles * k_tiles
     int row0;      // first row of A and C
     int rows;      // rows of A (<= 8 * M_TILES when grouped)
   };
-  auto locate = [&](int grp_l) {
+  // hint: the expert of an earlier group of this CTA (the CTA walks its
+  // groups in order, so the answer is there or later), or -1.
+  auto locate = [&](int grp_l, int hint) {
     Place pl{grp_l, 0, 0, 0, M};
     if constexpr (GROUPED) {
       pl.p = grp_l / problem_groups;
       pl.gl = grp_l - pl.p * problem_groups;
       int lo = 0, hi = experts;  // the last e with tile_cum[e] <= p (tile_cum[experts] > p)
+#if KBIT_LOCATE_HINT
+      // From the hint in steps of 1, 2, 4, ..: the next segment's expert is
+      // mostly the hint's (another group of its problem) or the next one, one
+      // or two shared loads instead of log2(experts) in a dependent chain.
+      if (hint >= 0) {
+        lo = hint;
+        int step = 1;
+        while (lo + step < experts && tile_cum[lo + step] <= pl.p) {
+          lo += step;
+          step *= 2;
+        }
+        hi = min(lo + step, experts);
+      }
+#endif
       while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
         if (tile_cum[mid] <= pl.p) lo = mid; else hi = mid;
       }
-      pl.tile0 = lo * row_tiles * k_tiles;
+      pl.e = lo;
       pl.row0 = row_start[lo] + (pl.p - tile_cum[lo]) * 8 * M_TILES;
       pl.rows = min(8 * M_TILES, row_start[lo + 1] - pl.row0);
     }
@@ -807,10 +835,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   if constexpr (GROUPED) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
       {  // (located again after the call: nothing live across it)
-        const Place first = locate(grp);
+        const Place first = locate(grp, -1);
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-          const long long idx = first.tile0 + row_tile(first.gl, r) * k_tiles + kt;
+          const long long idx = first.e * row_tiles * k_tiles + row_tile(first.gl, r) * k_tiles + kt;
 #pragma unroll
           for (int q = 0; q < K; ++q)
             asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + (idx * K + q) * 32 + lane));
@@ -824,13 +852,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     }
   }
 #endif
-  Place cur = locate(grp), nxt = cur;  // the current segment's place, the next one's
+  Place cur = locate(grp, -1), nxt = cur;  // the current segment's place, the next one's
   if (u_begin < u_end && (!kSlab || warp < warps)) {  // (slabs: the producer's)
     if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
     int idx[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
-      idx[r] = (GROUPED ? cur.tile0 + row_tile(cur.gl, r) * k_tiles : row_tile(grp, r) * k_tiles) + kt;
+      idx[r] = (GROUPED ? (cur.e * row_tiles + row_tile(cur.gl, r)) * k_tiles : row_tile(grp, r) * k_tiles) + kt;
     load_tile(idx, w_s[0], raw_s[0]);
   }
 
@@ -1164,6 +1192,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         return;
       }
     }
+    // C's rows in 8-byte pieces (KBIT_QUAD_STORE): rows of a multiple of 4
+    // elements from an 8-byte aligned C (chunk_C: C plus whole rows).
+    const bool quad_ok = (N & 3) == 0 && (reinterpret_cast<size_t>(C) & 7) == 0;
     // workspace slot of CTA c's segment of this group: its first or its last
     auto slot_part = [&](int c, int r) {
       const int slot = 2 * c + (range_start(c) < g_begin ? 1 : 0);
@@ -1242,6 +1273,27 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #define KBIT_CROW_CHUNK 4
 #endif
         constexpr int kChunk = KBIT_CROW_CHUNK < M_TILES ? KBIT_CROW_CHUNK : M_TILES;
+        if (KBIT_QUAD_STORE && KBIT_FAST_STORE && quad_ok && (rt + 1) * 16 <= N) {  // (warp-uniform)
+          // One row a lane an n8 tile (acc_quad_rows): half the lookups, a
+          // quarter of the stores.
+          T* const c_col = C + rt * 16 + quad_store_col(lane);
+#pragma unroll
+          for (int mt0 = 0; mt0 < M_TILES; mt0 += kChunk) {
+            int crow[kChunk];
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+              const int m = (mt0 + j) * 8 + 2 * t + (g & 1);
+              crow[j] = mt0 + j < M_TILES && m < pl.rows ? c_row(pl.row0 + m) : -1;
+            }
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+              if (mt0 + j >= M_TILES) break;
+              const uint2 v = acc_quad_rows<T>(acc[r][(mt0 + j) % M_TILES], lane);
+              if (crow[j] >= 0) *reinterpret_cast<uint2*>(c_col + (long long)crow[j] * N) = v;
+            }
+          }
+          continue;
+        }
 #pragma unroll
         for (int mt0 = 0; mt0 < M_TILES; mt0 += kChunk) {
           int crow[kChunk][2];
@@ -1299,6 +1351,13 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         // (define_ab_h200_fast_store_whole_only_off_15759a0.txt). The same
         // form in the cluster sum's store_acc_quad was 2-9% slower there
         // (define_ab_h200_fast_store_off_15759a0.txt), so that one keeps its checks.
+        if (KBIT_QUAD_STORE && quad_ok) {  // 8-byte pieces of rows (acc_quad_rows)
+          T* c = chunk_C + (long long)(2 * t + (g & 1)) * N + rt * 16 + quad_store_col(lane);
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt, c += 8LL * N)
+            *reinterpret_cast<uint2*>(c) = acc_quad_rows<T>(acc[r][mt], lane);
+          continue;
+        }
         T* c = chunk_C + (long long)(2 * t) * N + rt * 16 + g;
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt, c += 8LL * N) {
@@ -1588,11 +1647,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     seg_n = min(k_tiles, kt + (u_end - u)) - kt;
     const int after = (grp + 1) * group_units;
     seg_more = after < u_end;
-    if (GROUPED && seg_more) nxt = locate(grp + 1);
+    if (GROUPED && seg_more) nxt = locate(grp + 1, cur.e);
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      base[r] = GROUPED ? cur.tile0 + row_tile(cur.gl, r) * k_tiles : row_tile(grp, r) * k_tiles;
-      next_base[r] = GROUPED ? nxt.tile0 + row_tile(nxt.gl, r) * k_tiles
+      base[r] = GROUPED ? (cur.e * row_tiles + row_tile(cur.gl, r)) * k_tiles : row_tile(grp, r) * k_tiles;
+      next_base[r] = GROUPED ? (nxt.e * row_tiles + row_tile(nxt.gl, r)) * k_tiles
                              : row_tile(grp + 1, r) * k_tiles;
     }
     zero_acc();
@@ -1626,7 +1685,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     u = after;
     ++grp;
     kt = 0;
-    cur = GROUPED ? nxt : locate(grp);  // not grouped: {grp, 0, 0, 0, M}
+    cur = GROUPED ? nxt : locate(grp, -1);  // not grouped: {grp, 0, 0, 0, M}
   }
   mma_phase(5);
 }

@@ -227,6 +227,30 @@ __device__ __forceinline__ void store_acc_quad(T* C, int N, int rows, int n, int
   if (n + 8 < N && m + 1 < rows) Mma<T>::store(C + (long long)(m + 1) * N + n + 8, s.w);
 }
 
+// An m16n8 accumulator quad (lane (g, t): W rows n = g, g + 8 by A rows m =
+// 2t, 2t + 1, as a[0] (n, m), a[1] (n, m + 1), a[2] (n + 8, m), a[3]
+// (n + 8, m + 1)) transposed across the warp by two shuffles, so that each
+// lane holds four consecutive columns of one row of C: row 2t + (g & 1),
+// columns quad_store_col(lane) .. + 3 of the 16, as 8 bytes of T (one
+// 8-byte store instead of four 2-byte ones). Every lane of the warp calls it.
+// Round 1 (lane ^ 4, g ^ 1): even g keeps row 2t, odd g row 2t + 1, each
+// sends the other row's pair (n, n + 8); round 2 (lane ^ 8, g ^ 2): columns
+// g - (g & 1) + (0, 1) and + (8, 9) become four in a row.
+__device__ __forceinline__ int quad_store_col(int lane) { return 4 * (lane >> 4) + 8 * ((lane >> 3) & 1); }
+template <typename T>
+__device__ __forceinline__ uint2 acc_quad_rows(const float (&a)[4], int lane) {
+  const bool odd = (lane >> 2) & 1, hi_half = (lane >> 3) & 1;
+  const unsigned w02 = (Mma<T>::to_bits(a[2]) << 16) | Mma<T>::to_bits(a[0]);  // (n, n + 8) of row m
+  const unsigned w13 = (Mma<T>::to_bits(a[3]) << 16) | Mma<T>::to_bits(a[1]);  // of row m + 1
+  const unsigned keep = odd ? w13 : w02;
+  const unsigned recv = __shfl_xor_sync(kFullMask, odd ? w02 : w13, 4);  // the neighbour column's pair
+  // columns (n0, n0 + 1) and (n0 + 8, n0 + 9) of this lane's row, n0 = g - (g & 1)
+  const unsigned x = __byte_perm(keep, recv, odd ? 0x1054 : 0x5410);
+  const unsigned y = __byte_perm(keep, recv, odd ? 0x3276 : 0x7632);
+  const unsigned other = __shfl_xor_sync(kFullMask, hi_half ? x : y, 8);
+  return hi_half ? make_uint2(other, y) : make_uint2(x, other);
+}
+
 // Bits [off, off + 32) of a lane's index string (off is a compile-time constant).
 template <int K>
 __device__ __forceinline__ unsigned field_at(const unsigned (&w)[4 * K], int off) {

@@ -858,3 +858,42 @@ def test_gpu_moe_codebook_fold_same_bits(dtype, monkeypatch, kernels_built_with)
         if key[0] == 1:
             same = got.view(np.uint16) == outs[(0, *key[1:])].view(np.uint16)
             assert same.all(), (key, int((~same).sum()))
+
+
+@gpu_test
+@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("N", [256, 250])
+def test_gpu_grouped_output_at_any_alignment_over_sparse_experts(N, dtype, wg, monkeypatch):
+    """C's rows go out in 8-byte pieces where N % 4 == 0 and `out` is 8-byte
+    aligned, in 2-byte stores otherwise (N = 250, or `out` one element off):
+    the same bits either way. The experts with rows sit among long runs of
+    empty ones and some have several problems, so a CTA's next segment's
+    expert is found from its current one across gaps of many sizes."""
+    import cupy as cp
+
+    from kbit_cupy import experts as experts_module
+    from kbit_cupy.gemm import has_wgmma
+
+    if wg and not has_wgmma():
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    monkeypatch.setattr(experts_module, "_GROUPED_WG", wg)
+    monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", False)
+    E, K_dim = 96, 320
+    sizes = np.zeros(E, dtype=np.int64)
+    sizes[[0, 1, 5, 6, 7, 30, 31, 64, 90, 95]] = [3, 40, 1, 70, 9, 16, 150, 2, 33, 65]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    rows = int(offsets[-1])
+    ex, x, _ = _device_case(E, N, K_dim, rows, 1, 4, dtype, seed=N)
+    A = cp.asarray(x)
+    outs = []
+    for shift in (0, 1):
+        buf = cp.full(rows * N + 4, np.nan, dtype=dtype)
+        out = buf[shift:shift + rows * N].reshape(rows, N)
+        outs.append(cp.asnumpy(kbit_grouped_gemm(A, ex, cp.asarray(offsets), out=out)))
+    assert not np.isnan(outs[0].astype(np.float32)).any()
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    want = np.concatenate([x[offsets[e]:offsets[e + 1]].astype(np.float64)
+                           @ to_host(ex.expert(e).dequantize(np.float32)).astype(np.float64).T
+                           for e in range(E) if sizes[e]])
+    assert rel_error(outs[0], want) <= BOUNDS[np.dtype(dtype)]

@@ -50,6 +50,28 @@ def run_case(M, N, K_dim, k, dtype, kernel, fmt="e4m4", seed=0):
     return w, A, C
 
 
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 4])
+def test_output_at_any_alignment_same_bits(kernel, dtype, k):
+    """C's rows go out in 8-byte pieces where N % 4 == 0 and `out` is 8-byte
+    aligned, in 2-byte stores otherwise (`out` one element off): the same bits."""
+    import cupy as cp
+
+    needs_kernel(kernel)
+    for M, N, K_dim in [(33, 768, 512), (64, 4096, 256), (16, 2048, 768), (128, 1024, 320)]:
+        rng = np.random.default_rng(M + N)
+        w = quantize_weight(cp.asarray(rng.standard_normal((N, K_dim)).astype(np.float32)), k=k)
+        A = cp.asarray(rng.standard_normal((M, K_dim)).astype(np.dtype(dtype)))
+        outs = []
+        for shift in (0, 1):
+            buf = cp.full(M * N + 4, np.nan, dtype=np.dtype(dtype))
+            out = buf[shift:shift + M * N].reshape(M, N)
+            outs.append(cp.asnumpy(kbit_gemm(A, w, out=out, kernel=kernel)))
+        assert np.isfinite(outs[0].astype(np.float32)).all(), (M, N, K_dim)
+        assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), (M, N, K_dim)
+
+
 @pytest.mark.parametrize("kernel", ["mma", "wgmma", "latency", "cluster", "dequant", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
