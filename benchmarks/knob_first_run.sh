@@ -209,6 +209,14 @@ case "${1:-}" in
           --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab "$d"
       done
     done ;;
+  quad-store-gate)  # the 8-byte stores only in problems filled past a quarter: the few-row configs again
+    warm "" gemm_mma
+    for c in 128:768x2048:8,32,512 512:2048x512:32,128; do
+      IFS=: read -r e shape ts <<< "$c"
+      run 120 moe_gap_probe_${tag}_quad_gate_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k $([ "$e" = 512 ] && echo 10 || echo 8) --shape "$shape" --t ${ts//,/ } \
+        --ab KBIT_QUAD_STORE=0
+    done ;;
   quad-store-dense)  # the dense launches' C stores in 8-byte pieces against 2-byte stores
     warm "" gemm_mma
     run 300 define_ab_${tag}_quad_store_${commit}.txt python benchmarks/define_ab.py \

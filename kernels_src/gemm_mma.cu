@@ -1273,9 +1273,15 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #define KBIT_CROW_CHUNK 4
 #endif
         constexpr int kChunk = KBIT_CROW_CHUNK < M_TILES ? KBIT_CROW_CHUNK : M_TILES;
-        if (KBIT_QUAD_STORE && KBIT_FAST_STORE && quad_ok && (rt + 1) * 16 <= N) {  // (warp-uniform)
+        // (warp-uniform) Problems filled past a quarter: with fewer rows the
+        // shuffles of each tile cost more than the skipped stores they save
+        // (H200, KBIT_QUAD_STORE=0 against it on every problem: 0.7-0.9%
+        // more time at 0.5-2.5 rows an expert, 1.4-4.3% less at 8-64;
+        // benchmarks/NOTES-gemm.md).
+        if (KBIT_QUAD_STORE && KBIT_FAST_STORE && quad_ok && (rt + 1) * 16 <= N &&
+            4 * pl.rows > 8 * M_TILES) {
           // One row a lane an n8 tile (acc_quad_rows): half the lookups, a
-          // quarter of the stores.
+          // quarter of the stores. n8 tiles past the problem's rows: none.
           T* const c_col = C + rt * 16 + quad_store_col(lane);
 #pragma unroll
           for (int mt0 = 0; mt0 < M_TILES; mt0 += kChunk) {
@@ -1287,7 +1293,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
             }
 #pragma unroll
             for (int j = 0; j < kChunk; ++j) {
-              if (mt0 + j >= M_TILES) break;
+              if (mt0 + j >= M_TILES || (mt0 + j) * 8 >= pl.rows) break;
               const uint2 v = acc_quad_rows<T>(acc[r][(mt0 + j) % M_TILES], lane);
               if (crow[j] >= 0) *reinterpret_cast<uint2*>(c_col + (long long)crow[j] * N) = v;
             }
