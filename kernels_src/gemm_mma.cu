@@ -1273,12 +1273,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #define KBIT_CROW_CHUNK 4
 #endif
         constexpr int kChunk = KBIT_CROW_CHUNK < M_TILES ? KBIT_CROW_CHUNK : M_TILES;
-        // (warp-uniform) Problems filled past a quarter: with fewer rows the
-        // shuffles of each tile cost more than the skipped stores they save
-        // (H200, KBIT_QUAD_STORE=0 against it on every problem: 0.7-0.9%
-        // more time at 0.5-2.5 rows an expert, 1.4-4.3% less at 8-64;
-        // benchmarks/NOTES-gemm.md).
-        if (KBIT_QUAD_STORE && KBIT_FAST_STORE && quad_ok && (rt + 1) * 16 <= N &&
+        // (warp-uniform) The Hopper path's problems, filled past a quarter:
+        // on mma.sync (0.5-2.5 rows an expert) the shuffles of each tile cost
+        // more than the skipped stores they save (H200, KBIT_QUAD_STORE=0
+        // against it: mma.sync 0.4-1.0% less time, the Hopper path 1.4-4.6%
+        // more at 8-64 rows an expert; benchmarks/NOTES-gemm.md).
+        if (WG && KBIT_QUAD_STORE && KBIT_FAST_STORE && quad_ok && (rt + 1) * 16 <= N &&
             4 * pl.rows > 8 * M_TILES) {
           // One row a lane an n8 tile (acc_quad_rows): half the lookups, a
           // quarter of the stores. n8 tiles past the problem's rows: none.

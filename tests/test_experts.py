@@ -891,6 +891,8 @@ def test_gpu_grouped_output_at_any_alignment_over_sparse_experts(N, dtype, wg, m
         buf = cp.full(rows * N + 4, np.nan, dtype=dtype)
         out = buf[shift:shift + rows * N].reshape(rows, N)
         outs.append(cp.asnumpy(kbit_grouped_gemm(A, ex, cp.asarray(offsets), out=out)))
+        rest = cp.asnumpy(cp.concatenate([buf[:shift], buf[shift + out.size:]]))
+        assert np.isnan(rest.astype(np.float32)).all()  # nothing written outside out
     assert not np.isnan(outs[0].astype(np.float32)).any()
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
     want = np.concatenate([x[offsets[e]:offsets[e + 1]].astype(np.float64)

@@ -68,6 +68,8 @@ def test_output_at_any_alignment_same_bits(kernel, dtype, k):
             buf = cp.full(M * N + 4, np.nan, dtype=np.dtype(dtype))
             out = buf[shift:shift + M * N].reshape(M, N)
             outs.append(cp.asnumpy(kbit_gemm(A, w, out=out, kernel=kernel)))
+            rest = cp.asnumpy(cp.concatenate([buf[:shift], buf[shift + out.size:]]))
+            assert np.isnan(rest.astype(np.float32)).all()  # nothing written outside out
         assert np.isfinite(outs[0].astype(np.float32)).all(), (M, N, K_dim)
         assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), (M, N, K_dim)
 
