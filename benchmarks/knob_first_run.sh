@@ -33,6 +33,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store     # 8-byte C stores, located experts: A/B (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-dense  # the same stores on dense layers (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-check  # their GPU tests (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-sanitize  # their memcheck, the rest of test_gpu_gemm (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -228,6 +229,16 @@ case "${1:-}" in
       -k "alignment or both_paths or hopper or matches or routing"
     run 300 gpu_tests_gemm_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
       -k "alignment or wgmma or small_sweep or wide_sweep or both_work_splits or eight_warp" ;;
+  quad-store-sanitize)  # memcheck of the 8-byte stores (grouped Hopper path, dense mma and wgmma); the rest of test_gpu_gemm
+    warm "" gemm_mma gemm_latency moe_route
+    run 120 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 2 4
+    run 100 sanitize_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_kernels.py --quick --only wgmma --k 2 4
+    run 100 sanitize_mma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_kernels.py --quick --only mma --k 2 4
+    run 150 gpu_tests_gemm_rest_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      -k "not (alignment or wgmma or small_sweep or wide_sweep or both_work_splits or eight_warp)" ;;
   wg-desc-check)  # GPU tests of the wgmma paths and the MoE calls; moe_linear's in-launch routing at 4096 pairs
     warm "" gemm_mma gemm_latency moe_route
     run 260 gpu_tests_wgmma_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
