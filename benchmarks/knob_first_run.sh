@@ -34,6 +34,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-dense  # the same stores on dense layers (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-check  # their GPU tests (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-sanitize  # their memcheck, the rest of test_gpu_gemm (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-fold  # folded tables, row lookups at once: A/B (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -217,6 +218,15 @@ case "${1:-}" in
       run 120 moe_gap_probe_${tag}_quad_gate_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts "$e" --top-k $([ "$e" = 512 ] && echo 10 || echo 8) --shape "$shape" --t ${ts//,/ } \
         --ab KBIT_QUAD_STORE=0
+    done ;;
+  grouped-fold)  # the scale pair's factor folded into the grouped launch's tables (KBIT_CB_FOLD=1, every variant) and the row lookups of all n8 tiles at once (KBIT_CROW_CHUNK=8), each against the default
+    warm "" gemm_mma
+    for c in 128:2048x1536:128,512 128:768x2048:128,512 8:4096x28672:128; do
+      IFS=: read -r e shape ts <<< "$c"
+      for d in KBIT_CB_FOLD=1 KBIT_CROW_CHUNK=8; do
+        run 120 moe_gap_probe_${tag}_${d%%=*}_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+          --experts "$e" --top-k $([ "$e" = 8 ] && echo 2 || echo 8) --shape "$shape" --t ${ts//,/ } --ab "$d"
+      done
     done ;;
   quad-store-dense)  # the dense launches' C stores in 8-byte pieces against 2-byte stores
     warm "" gemm_mma
