@@ -249,13 +249,17 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #endif
 // With those fast stores, C's rows in 8-byte pieces (acc_quad_rows,
 // mma_common.cuh: two shuffles a tile) where N % 4 == 0 and C is 8-byte
-// aligned, instead of 2-byte stores (0: those, for A/B runs; see
-// benchmarks/NOTES-gemm.md).
+// aligned, instead of 2-byte stores (0: those, for A/B runs). H200, in one
+// process against 0, the same bits: the grouped Hopper path 1.4-5.0% less
+// time at 8-64 rows an expert; dense 4096x4096 1-7% less at 64-256 rows,
+// small layers within 3% either way (benchmarks/NOTES-gemm.md).
 #ifndef KBIT_QUAD_STORE
 #define KBIT_QUAD_STORE 1
 #endif
 // The grouped launch's next segment's expert searched from the current
-// one's (locate; 0: a binary search over all experts, for A/B runs).
+// one's (locate; 0: a binary search over all experts, for A/B runs). H200,
+// in one process against 0, the same bits: 0.5-4.7% less time on three
+// 128- and 512-expert configs at T = 8..512, Mixtral (8 experts) 0.1%.
 #ifndef KBIT_LOCATE_HINT
 #define KBIT_LOCATE_HINT 1
 #endif
@@ -1276,7 +1280,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         // (warp-uniform) The Hopper path's problems, filled past a quarter:
         // on mma.sync (0.5-2.5 rows an expert) the shuffles of each tile cost
         // more than the skipped stores they save (H200, KBIT_QUAD_STORE=0
-        // against it: mma.sync 0.4-1.0% less time, the Hopper path 1.4-4.6%
+        // against it: mma.sync 0.4-1.0% less time, the Hopper path 1.4-5.0%
         // more at 8-64 rows an expert; benchmarks/NOTES-gemm.md).
         if (WG && KBIT_QUAD_STORE && KBIT_FAST_STORE && quad_ok && (rt + 1) * 16 <= N &&
             4 * pl.rows > 8 * M_TILES) {
