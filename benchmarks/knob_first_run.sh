@@ -228,6 +228,13 @@ case "${1:-}" in
           --experts "$e" --top-k $([ "$e" = 8 ] && echo 2 || echo 8) --shape "$shape" --t ${ts//,/ } --ab "$d"
       done
     done ;;
+  latency-cap)  # the few-pair (latency kernel) launch up to 8192 CTAs instead of 1024 at T = 4 and 8
+    for c in 512:2048x512:4,8 128:768x2048:4,8 128:2048x1536:4,8; do
+      IFS=: read -r e shape ts <<< "$c"
+      run 100 moe_gap_probe_${tag}_latency_cap_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k $([ "$e" = 512 ] && echo 10 || echo 8) --shape "$shape" --t ${ts//,/ } \
+        --ab experts._LATENCY_MOE_MAX_CTAS=8192
+    done ;;
   quad-store-dense)  # the dense launches' C stores in 8-byte pieces against 2-byte stores
     warm "" gemm_mma
     run 300 define_ab_${tag}_quad_store_${commit}.txt python benchmarks/define_ab.py \
