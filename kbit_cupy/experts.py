@@ -385,7 +385,7 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
     R rows, with it sorted row g is row ``row_ids[g]`` of C and
     ``row_ids[g] // ids_per_row`` of A (moe_linear). With ``route_ids`` (R int32
     expert ids) instead of ``offsets`` and ``row_ids``, every CTA groups the
-    pairs itself (moe_linear with few pairs). Up to _LATENCY_MOE_MAX_CTAS
+    pairs itself (moe_linear with few pairs). Up to _latency_moe_max_ctas()
     (rows x row tiles) without ``row_ids`` the latency kernel runs, a CTA per
     (row, row tile). The launch is planned once per (rows, dtype, routing
     form, device, stream); a call sets its pointers. Returns False, launching
@@ -401,7 +401,7 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
             _launch.ensure_context()  # plans are per thread: bind this thread's context
             row_tiles = _tile_counts(experts.shape[1], experts.shape[2])[0]
             if (row_ids is None and (route_ids is not None or _GROUPED_LATENCY)
-                    and C.shape[0] * row_tiles <= _LATENCY_MOE_MAX_CTAS):
+                    and C.shape[0] * row_tiles <= _latency_moe_max_ctas(*experts.shape[1:])):
                 try:
                     found = _GroupedRun(_latency_moe_launch(experts, A.dtype, C.shape[0],
                                                             ids_per_row), _LATENCY_SLOTS)
@@ -562,6 +562,29 @@ _LATENCY_MOE_MAX_CTAS = 1024
 # 128 x [2048, 768] 9.5 -> 9.5 us; T=2 on the last two 14.0 -> 13.6 and
 # 11.8 -> 11.8 us. False: the grouped launch for every row count (tests).
 _GROUPED_LATENCY = True
+# On a GPU of _FAST_TBPS or more, experts of up to _LATENCY_MOE_FAST_MAX_WEIGHTS
+# weights take it up to _LATENCY_MOE_MAX_CTAS_FAST CTAs. H200, k=4 fp16,
+# kernel-only, in one process against 1024 (the same bound for both calls;
+# results/moe_gap_probe_h200_latency_cap*_8436f3c.txt): 512 x [512, 2048]
+# top-10 at T=4 (1280 CTAs) kbit_grouped_gemm 16.19 -> 15.28 us, moe_linear
+# 17.97 -> 14.60; 128 x [1536, 2048] top-8 at T=2 (1536) 16.72 -> 16.86 and
+# 18.08 -> 16.68; more CTAs lost: 128 x [2048, 768] at T=2 (2048) 10.27 ->
+# 13.23 and 11.41 -> 12.05, all three at T=4 (512 experts T=5: 1600 CTAs, not
+# asked) and T=8 (2560-8192) 3-74% slower. Larger experts (Qwen3-235B's
+# gate_up, 1536 CTAs at T=1) and the H100 (1536 CTAs: 8% slower at 5cfbac8,
+# above) keep 1024.
+_LATENCY_MOE_MAX_CTAS_FAST = 1536
+_LATENCY_MOE_FAST_MAX_WEIGHTS = 1 << 22
+
+
+def _latency_moe_max_ctas(N: int, K_dim: int) -> int:
+    """The most CTAs (rows x row tiles) the few-row launch takes for experts
+    of [N, K_dim] on this GPU (_LATENCY_MOE_MAX_CTAS, or on a GPU of
+    _FAST_TBPS or more for experts of up to _LATENCY_MOE_FAST_MAX_WEIGHTS
+    weights _LATENCY_MOE_MAX_CTAS_FAST)."""
+    if N * K_dim <= _LATENCY_MOE_FAST_MAX_WEIGHTS and _device_tbps() >= _FAST_TBPS:
+        return _LATENCY_MOE_MAX_CTAS_FAST
+    return _LATENCY_MOE_MAX_CTAS
 
 
 def _grouped_wgmma(T: int, E: int) -> bool:

@@ -283,7 +283,7 @@ def test_gpu_moe_linear_latency_kernel(E, N, K_dim, T, top_k, k, dtype, monkeypa
 
     from kbit_cupy import experts as experts_module
 
-    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
+    monkeypatch.setattr(experts_module, "_latency_moe_max_ctas", lambda N, K_dim: 10**9)
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k + 20)
     out = cp.full((T, top_k, N), np.nan, dtype=dtype)
     got = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex, out=out))
@@ -299,6 +299,22 @@ def test_gpu_moe_linear_latency_kernel(E, N, K_dim, T, top_k, k, dtype, monkeypa
     rest = np.ones((T, top_k), bool)
     rest[0, 0] = False
     assert np.array_equal(partial[rest].view(np.uint16), got[rest].view(np.uint16))
+
+
+def test_few_row_launch_bound_by_bandwidth_and_expert_size(monkeypatch):
+    # experts._latency_moe_max_ctas: 1024 CTAs (H100-measured); 1536 on a GPU
+    # of >= 4 TB/s for experts of up to 2^22 weights (H200 A/B,
+    # moe_gap_probe_h200_latency_cap*_8436f3c.txt); larger experts keep 1024.
+    from kbit_cupy import experts as experts_module
+
+    bound = experts_module._latency_moe_max_ctas
+    monkeypatch.setattr(experts_module, "_device_tbps", lambda: 3.35)  # the H100
+    assert bound(512, 2048) == 1024 and bound(1536, 2048) == 1024
+    monkeypatch.setattr(experts_module, "_device_tbps", lambda: 4.8)  # the H200
+    assert bound(512, 2048) == 1536 and bound(1536, 2048) == 1536 and bound(2048, 2048) == 1536
+    assert bound(3072, 4096) == 1024 and bound(2049, 2048) == 1024
+    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS_FAST", 1024)  # (an A/B's off)
+    assert bound(512, 2048) == 1024
 
 
 def test_few_pair_launch_takes_half_k_tiles_at_k4_with_e4m4_scales(monkeypatch):
@@ -339,7 +355,7 @@ def test_gpu_few_pair_launch_half_k_tiles_against_whole_tiles(E, N, K_dim, T, to
 
     from kbit_cupy import experts as experts_module
 
-    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
+    monkeypatch.setattr(experts_module, "_latency_moe_max_ctas", lambda N, K_dim: 10**9)
     monkeypatch.setattr(experts_module, "_MOE_LATENCY_KSPLIT_MIN_TBPS", 0.0)  # any GPU
     asked = kernel_requests
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, 4, dtype, seed=40)
@@ -428,7 +444,7 @@ def test_gpu_moe_linear_routing_inside_the_launch_matches_the_routing_launch(
         pytest.skip("the Hopper path needs an sm_90 GPU")
     monkeypatch.setattr(experts_module, "_GROUPED_WG", wg)
     monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", False)  # the grouped launch
-    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 0)
+    monkeypatch.setattr(experts_module, "_latency_moe_max_ctas", lambda N, K_dim: 0)
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, 4, dtype, seed=E + T)
     bad = ids.copy()
     bad[0, 0], bad[T // 2, top_k - 1] = E, -1  # no rows
@@ -478,7 +494,7 @@ def test_gpu_grouped_eight_warp_launch(E, N, K_dim, T, top_k, dtype, routing, mo
     if not has_wgmma():
         pytest.skip("the 8-warp grouped launch is taken on sm_90 only")
     monkeypatch.setattr(experts_module, "_GROUPED_LATENCY", False)  # few rows: the grouped launch
-    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 0)  # few pairs too
+    monkeypatch.setattr(experts_module, "_latency_moe_max_ctas", lambda N, K_dim: 0)  # few pairs too
     if routing == "routing_launch":
         monkeypatch.setattr(experts_module, "_FUSED_ROUTE_MAX_PAIRS", 0)
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, 4, dtype, seed=E + N)
@@ -522,7 +538,7 @@ def test_gpu_grouped_gemm_few_rows_on_the_latency_kernel(E, N, K_dim, T, top_k, 
 
     from kbit_cupy import experts as experts_module
 
-    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 10**9)
+    monkeypatch.setattr(experts_module, "_latency_moe_max_ctas", lambda N, K_dim: 10**9)
     ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k + 30)
     routed = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex)).reshape(-1, N)
     flat, order, offsets = _grouped(ids, E)
@@ -823,7 +839,7 @@ def test_gpu_routing_inside_the_launch_gives_the_same_bits_as_the_routing_launch
 
     from kbit_cupy import experts as experts_module
 
-    monkeypatch.setattr(experts_module, "_LATENCY_MOE_MAX_CTAS", 0)
+    monkeypatch.setattr(experts_module, "_latency_moe_max_ctas", lambda N, K_dim: 0)
     ex, x, ids = _device_case(E, 64, 128, T, top_k, 4, np.float16)
     x, ids = cp.asarray(x), cp.asarray(ids)
     fused = cp.asnumpy(moe_linear(x, ids, ex))
