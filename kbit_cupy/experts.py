@@ -571,8 +571,8 @@ _GROUPED_LATENCY = True
 # 18.08 -> 16.68; more CTAs lost: 128 x [2048, 768] at T=2 (2048) 10.27 ->
 # 13.23 and 11.41 -> 12.05, all three at T=4 (512 experts T=5: 1600 CTAs, not
 # asked) and T=8 (2560-8192) 3-74% slower. Larger experts (Qwen3-235B's
-# gate_up, 1536 CTAs at T=1) and the H100 (1536 CTAs: 8% slower at 5cfbac8,
-# above) keep 1024.
+# gate_up, 1536 CTAs at T=1) are not measured, and the H100 (1536 CTAs 8%
+# slower, above) was: both keep 1024.
 _LATENCY_MOE_MAX_CTAS_FAST = 1536
 _LATENCY_MOE_FAST_MAX_WEIGHTS = 1 << 22
 
