@@ -35,6 +35,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-check  # their GPU tests (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-sanitize  # their memcheck, the rest of test_gpu_gemm (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-fold  # folded tables, row lookups at once: A/B (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh latency-cap   # the few-row launch's bound, Qwen3-235B at T = 1 (~2 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -228,13 +229,16 @@ case "${1:-}" in
           --experts "$e" --top-k $([ "$e" = 8 ] && echo 2 || echo 8) --shape "$shape" --t ${ts//,/ } --ab "$d"
       done
     done ;;
-  latency-cap)  # the few-pair (latency kernel) launch up to 8192 CTAs instead of 1024 at T = 4 and 8
-    for c in 512:2048x512:4,8 128:768x2048:4,8 128:2048x1536:4,8; do
+  latency-cap)  # the few-row launch's bound: 1024 against the default (1536 on a >= 4 TB/s GPU for experts of <= 2^22 weights); Qwen3-235B's gate_up with the bound at 1536 (run at 8436f3c: 1024 against 8192 and 2048)
+    for c in 512:2048x512:4,5 128:2048x1536:2 128:768x2048:1,2; do
       IFS=: read -r e shape ts <<< "$c"
       run 100 moe_gap_probe_${tag}_latency_cap_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts "$e" --top-k $([ "$e" = 512 ] && echo 10 || echo 8) --shape "$shape" --t ${ts//,/ } \
-        --ab experts._LATENCY_MOE_MAX_CTAS=8192
-    done ;;
+        --ab experts._LATENCY_MOE_MAX_CTAS_FAST=1024
+    done
+    run 100 moe_gap_probe_${tag}_latency_cap_qwen_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 128 --top-k 8 --shape 4096x3072 --t 1 \
+      --ab experts._LATENCY_MOE_MAX_CTAS=1536,experts._LATENCY_MOE_FAST_MAX_WEIGHTS=16777216 ;;
   quad-store-dense)  # the dense launches' C stores in 8-byte pieces against 2-byte stores
     warm "" gemm_mma
     run 300 define_ab_${tag}_quad_store_${commit}.txt python benchmarks/define_ab.py \
