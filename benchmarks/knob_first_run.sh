@@ -36,6 +36,8 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh quad-store-sanitize  # their memcheck, the rest of test_gpu_gemm (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-fold  # folded tables, row lookups at once: A/B (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh latency-cap   # the few-row launch's bound, Qwen3-235B at T = 1 (~2 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-batch   # moe_linear's routed ids 8 at a time: A/B (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-batch-check # test_experts, Qwen3-235B's bound at T = 1 (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -229,6 +231,20 @@ case "${1:-}" in
           --experts "$e" --top-k $([ "$e" = 8 ] && echo 2 || echo 8) --shape "$shape" --t ${ts//,/ } --ab "$d"
       done
     done ;;
+  route-batch)  # moe_linear's fused routing: the router's ids loaded 8 at a time (default) against one after another (KBIT_ROUTE_ID_BATCH=1)
+    warm "" gemm_mma
+    for c in 128:768x2048:128,512 128:2048x1536:128,512 512:2048x512:8,32,128,512 8:4096x28672:128,512; do
+      IFS=: read -r e shape ts <<< "$c"
+      topk=$([ "$e" = 512 ] && echo 10 || { [ "$e" = 8 ] && echo 2 || echo 8; })
+      run 120 moe_gap_probe_${tag}_route_batch_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_ROUTE_ID_BATCH=1
+    done ;;
+  route-batch-check)  # test_experts (the routing, moe_linear, the few-row bound); the latency-cap step's Qwen3-235B line
+    warm "" gemm_mma gemm_latency moe_route
+    run 330 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
+    run 100 moe_gap_probe_${tag}_latency_cap_qwen_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 128 --top-k 8 --shape 4096x3072 --t 1 \
+      --ab experts._LATENCY_MOE_MAX_CTAS=1536,experts._LATENCY_MOE_FAST_MAX_WEIGHTS=16777216 ;;
   latency-cap)  # the few-row launch's bound: 1024 against the default (1536 on a >= 4 TB/s GPU for experts of <= 2^22 weights); Qwen3-235B's gate_up with the bound at 1536 (run at 8436f3c: 1024 against 8192 and 2048)
     for c in 512:2048x512:4,5 128:2048x1536:2 128:768x2048:1,2; do
       IFS=: read -r e shape ts <<< "$c"

@@ -274,6 +274,14 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #define KBIT_ROUTED_PREFETCH 1
 #endif
 
+// moe_linear's fused routing: the router's ids a thread stages and counts are
+// loaded this many at a time, all in flight before the first is stored and
+// counted (1: one load, store and count after another, a round trip each:
+// ptxas does not hoist a load above the shared atomic before it).
+#ifndef KBIT_ROUTE_ID_BATCH
+#define KBIT_ROUTE_ID_BATCH 8
+#endif
+
 // Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
 constexpr int kMaxClusterSplits = 8;
@@ -512,10 +520,21 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     if (route_ids) {
       for (int e = threadIdx.x; e <= experts; e += blockDim.x) tile_cum[e] = 0;
       __syncthreads();
-      for (int i = threadIdx.x; i < M; i += blockDim.x) {
-        const int e = __ldg(route_ids + i);
-        route_id[i] = e;
-        if (e >= 0 && e < experts) atomicAdd(tile_cum + e, 1);
+      constexpr int kBatch = KBIT_ROUTE_ID_BATCH;
+      for (int i0 = threadIdx.x; i0 < M; i0 += kBatch * blockDim.x) {
+        int ids[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int i = i0 + j * (int)blockDim.x;  // (< M + kBatch * blockDim.x: no wrap)
+          ids[j] = i < M ? __ldg(route_ids + i) : -1;
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int i = i0 + j * (int)blockDim.x, e = ids[j];
+          if (i >= M) break;
+          route_id[i] = e;
+          if (e >= 0 && e < experts) atomicAdd(tile_cum + e, 1);
+        }
       }
       __syncthreads();
     }
