@@ -38,6 +38,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh latency-cap   # the few-row launch's bound, Qwen3-235B at T = 1 (~2 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-batch   # moe_linear's routed ids 8 at a time: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-batch-check # test_experts, Qwen3-235B's bound at T = 1 (~7 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-cap     # in-launch routing past 4096 pairs: A/B; memcheck (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -245,6 +246,18 @@ case "${1:-}" in
     run 100 moe_gap_probe_${tag}_latency_cap_qwen_${commit}.txt python benchmarks/moe_gap_probe.py \
       --experts 128 --top-k 8 --shape 4096x3072 --t 1 \
       --ab experts._LATENCY_MOE_MAX_CTAS=1536,experts._LATENCY_MOE_FAST_MAX_WEIGHTS=16777216 ;;
+  route-cap)  # moe_linear's in-launch routing past 4096 pairs (experts._FUSED_ROUTE_MAX_PAIRS=8192) against the routing launch; memcheck of the routed paths
+    warm "" gemm_mma moe_route
+    for c in 512:2048x512:512,800 128:768x2048:1024 128:2048x1536:1024; do
+      IFS=: read -r e shape ts <<< "$c"
+      topk=$([ "$e" = 512 ] && echo 10 || echo 8)
+      run 120 moe_gap_probe_${tag}_route_cap_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab experts._FUSED_ROUTE_MAX_PAIRS=8192
+    done
+    run 150 sanitize_moe_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --k 2 4
+    run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 4 ;;
   latency-cap)  # the few-row launch's bound: 1024 against the default (1536 on a >= 4 TB/s GPU for experts of <= 2^22 weights); Qwen3-235B's gate_up with the bound at 1536 (run at 8436f3c: 1024 against 8192 and 2048)
     for c in 512:2048x512:4,5 128:2048x1536:2 128:768x2048:1,2; do
       IFS=: read -r e shape ts <<< "$c"
