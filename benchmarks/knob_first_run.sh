@@ -39,6 +39,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-batch   # moe_linear's routed ids 8 at a time: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-batch-check # test_experts, Qwen3-235B's bound at T = 1 (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-cap     # in-launch routing past 4096 pairs: A/B; memcheck (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-slice   # odd id slices in the placement: A/B; issue 21's table (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -258,6 +259,15 @@ case "${1:-}" in
       python benchmarks/sanitize_moe.py --quick --k 2 4
     run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
       python benchmarks/sanitize_moe.py --quick --wgmma --k 4 ;;
+  route-slice)  # moe_linear's in-launch placement: odd slices of the ids a thread (default) against even ones (KBIT_ROUTE_SLICE_ODD=0); issue 21's table
+    warm "" gemm_mma gemm_latency moe_route
+    for c in 128:768x2048:128,512 128:2048x1536:128,512; do
+      IFS=: read -r e shape ts <<< "$c"
+      run 120 moe_gap_probe_${tag}_route_slice_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k 8 --shape "$shape" --t ${ts//,/ } --ab KBIT_ROUTE_SLICE_ODD=0
+    done
+    run 260 moe_vs_grouped_mm_${tag}_${commit}.txt python benchmarks/moe_vs_grouped_mm.py --t 1 8 32 128 512 \
+      --out "$out/moe_vs_grouped_mm_${tag}_${commit}" ;;
   latency-cap)  # the few-row launch's bound: 1024 against the default (1536 on a >= 4 TB/s GPU for experts of <= 2^22 weights); Qwen3-235B's gate_up with the bound at 1536 (run at 8436f3c: 1024 against 8192 and 2048)
     for c in 512:2048x512:4,5 128:2048x1536:2 128:768x2048:1,2; do
       IFS=: read -r e shape ts <<< "$c"

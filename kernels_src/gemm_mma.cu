@@ -281,6 +281,9 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #ifndef KBIT_ROUTE_ID_BATCH
 #define KBIT_ROUTE_ID_BATCH 8
 #endif
+#ifndef KBIT_ROUTE_SLICE_ODD
+#define KBIT_ROUTE_SLICE_ODD 1
+#endif
 
 // Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
@@ -339,7 +342,10 @@ __device__ __noinline__ void place_routed_rows(const int* route_id, int* route_o
                                                const int* tile_cum, const int* row_start,
                                                int* warp_sums, int M, int experts, int p_first,
                                                int p_last, int rows_per_problem) {
-  const int slice = (M + blockDim.x - 1) / blockDim.x;
+  // An odd slice (KBIT_ROUTE_SLICE_ODD, default 1): the lanes' i-th ids lie
+  // an odd number of words apart, in 32 banks; an even one shares banks
+  // (8 ids a thread: 8 lanes a bank). The ranks are the same either way.
+  const int slice = ((M + blockDim.x - 1) / blockDim.x) | KBIT_ROUTE_SLICE_ODD;
   const int i0 = min(M, (int)threadIdx.x * slice), i1 = min(M, i0 + slice);
   for (int p = p_first; p <= p_last; ++p) {
     int e = 0, hi = experts;  // the last e with tile_cum[e] <= p, as the kernel's locate()
