@@ -40,6 +40,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-batch-check # test_experts, Qwen3-235B's bound at T = 1 (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-cap     # in-launch routing past 4096 pairs: A/B; memcheck (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-slice   # odd id slices in the placement: A/B; issue 21's table (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-check   # test_experts, memcheck, two A/Bs at 512 experts T = 8, 32 (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -268,6 +269,17 @@ case "${1:-}" in
     done
     run 260 moe_vs_grouped_mm_${tag}_${commit}.txt python benchmarks/moe_vs_grouped_mm.py --t 1 8 32 128 512 \
       --out "$out/moe_vs_grouped_mm_${tag}_${commit}" ;;
+  route-check)  # test_experts and memcheck of the routed paths with both routing changes; moe_linear's few-pair cases: the placement before the prefetch, the routing launch
+    warm "" gemm_mma gemm_latency moe_route
+    run 330 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
+    run 150 sanitize_moe_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --k 2 4
+    run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 4
+    for d in KBIT_ROUTED_PREFETCH=0 experts._FUSED_ROUTE_MAX_PAIRS=0; do
+      run 90 moe_gap_probe_${tag}_${d##*.}_512_2048x512_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts 512 --top-k 10 --shape 2048x512 --t 8 32 --ab "$d"
+    done ;;
   latency-cap)  # the few-row launch's bound: 1024 against the default (1536 on a >= 4 TB/s GPU for experts of <= 2^22 weights); Qwen3-235B's gate_up with the bound at 1536 (run at 8436f3c: 1024 against 8192 and 2048)
     for c in 512:2048x512:4,5 128:2048x1536:2 128:768x2048:1,2; do
       IFS=: read -r e shape ts <<< "$c"
