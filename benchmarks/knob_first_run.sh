@@ -277,7 +277,7 @@ case "${1:-}" in
     run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
       python benchmarks/sanitize_moe.py --quick --wgmma --k 4
     for d in KBIT_ROUTED_PREFETCH=0 experts._FUSED_ROUTE_MAX_PAIRS=0; do
-      run 90 moe_gap_probe_${tag}_${d##*.}_512_2048x512_${commit}.txt python benchmarks/moe_gap_probe.py \
+      run 90 moe_gap_probe_${tag}_$(d=${d%%=*}; echo ${d##*.})_512_2048x512_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts 512 --top-k 10 --shape 2048x512 --t 8 32 --ab "$d"
     done ;;
   latency-cap)  # the few-row launch's bound: 1024 against the default (1536 on a >= 4 TB/s GPU for experts of <= 2^22 weights); Qwen3-235B's gate_up with the bound at 1536 (run at 8436f3c: 1024 against 8192 and 2048)

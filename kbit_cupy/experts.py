@@ -52,7 +52,11 @@ _ROUTE_SHARED_INTS = 11 * 1024
 # Up to this many (token, choice) pairs moe_linear routes inside the grouped
 # launch (every CTA counts the pairs per expert and places the rows of the
 # problems it works on: one pass over the pairs per problem, 8 bytes of
-# shared memory per pair) instead of launching moe_route.cu first.
+# shared memory per pair) instead of launching moe_route.cu first. H200, k=4
+# fp16, kernel-only, 8192 against 4096 (results/moe_gap_probe_h200_route_cap_*_5b1175c.txt):
+# moe_linear at 5120-8192 pairs 0.0-1.3% less time where the ids fit (128
+# experts of [2048, 768] and [1536, 2048] at T=1024, 512 of [512, 2048] at
+# T=512), within 0.1% at 512 x T=800; not taken for so little.
 _FUSED_ROUTE_MAX_PAIRS = 4096
 
 
@@ -570,9 +574,11 @@ _GROUPED_LATENCY = True
 # 17.97 -> 14.60; 128 x [1536, 2048] top-8 at T=2 (1536) 16.72 -> 16.86 and
 # 18.08 -> 16.68; more CTAs lost: 128 x [2048, 768] at T=2 (2048) 10.27 ->
 # 13.23 and 11.41 -> 12.05, all three at T=4 (512 experts T=5: 1600 CTAs, not
-# asked) and T=8 (2560-8192) 3-74% slower. Larger experts (Qwen3-235B's
-# gate_up, 1536 CTAs at T=1) are not measured, and the H100 (1536 CTAs 8%
-# slower, above) was: both keep 1024.
+# asked) and T=8 (2560-8192) 3-74% slower. Larger experts keep 1024:
+# Qwen3-235B's gate_up (128 x [3072, 4096], 1536 CTAs at T=1) at 1536 took
+# 28.56 against 25.15 us (moe_linear 28.93 against 26.27;
+# moe_gap_probe_h200_latency_cap_qwen_2fa07b3.txt); so does the H100 (1536
+# CTAs 8% slower, above).
 _LATENCY_MOE_MAX_CTAS_FAST = 1536
 _LATENCY_MOE_FAST_MAX_WEIGHTS = 1 << 22
 

@@ -277,7 +277,12 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // moe_linear's fused routing: the router's ids a thread stages and counts are
 // loaded this many at a time, all in flight before the first is stored and
 // counted (1: one load, store and count after another, a round trip each:
-// ptxas does not hoist a load above the shared atomic before it).
+// ptxas does not hoist a load above the shared atomic before it). H200, k = 4
+// fp16, kernel-only, in one process against 1 (the same bits;
+// results/moe_gap_probe_h200_route_batch_*_2fa07b3.txt): moe_linear at T = 512
+// top-8 on 128 x [2048, 768] 76.65 -> 74.61 us, on 128 x [1536, 2048] 123.73
+// -> 121.65; at T = 128 0.1-1.1% less (512 x [512, 2048] top-10 too),
+// there at T = 8 and 32 within 0.5%.
 #ifndef KBIT_ROUTE_ID_BATCH
 #define KBIT_ROUTE_ID_BATCH 8
 #endif
@@ -345,6 +350,9 @@ __device__ __noinline__ void place_routed_rows(const int* route_id, int* route_o
   // An odd slice (KBIT_ROUTE_SLICE_ODD, default 1): the lanes' i-th ids lie
   // an odd number of words apart, in 32 banks; an even one shares banks
   // (8 ids a thread: 8 lanes a bank). The ranks are the same either way.
+  // H200, k = 4 fp16, against even slices (results/moe_gap_probe_h200_route_slice_*_9934223.txt):
+  // moe_linear at T = 512 top-8 on 128 x [2048, 768] 74.49 -> 73.70 us, on
+  // 128 x [1536, 2048] 121.24 -> 120.19; T = 128 the same.
   const int slice = ((M + blockDim.x - 1) / blockDim.x) | KBIT_ROUTE_SLICE_ODD;
   const int i0 = min(M, (int)threadIdx.x * slice), i1 = min(M, i0 + slice);
   for (int p = p_first; p <= p_last; ++p) {
