@@ -409,22 +409,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                 "warp); 16: k = 5 at up to two n8 tiles");
   mma_phase(0);
   grid_dependency_sync();
-#ifndef KBIT_X_PREFETCH
-#define KBIT_X_PREFETCH 0
-#endif
-  // KBIT_X_PREFETCH (A/B runs): the grouped launch's activations asked of L2
-  // at entry, their lines spread over the grid (moe_linear's T rows, or
-  // kbit_grouped_gemm's sorted rows), so that their trip from memory overlaps
-  // the ids' or offsets' and the set-up after it.
-  if constexpr (GROUPED && KBIT_X_PREFETCH) {
-    if (route_ids || !row_ids) {
-      const long long lines = ((long long)(route_ids ? M / ids_per_row : M) * K_dim * (long long)sizeof(T) + 127) / 128;
-      const char* const a_bytes = reinterpret_cast<const char*>(A);
-      for (long long l = (long long)blockIdx.x * blockDim.x + threadIdx.x; l < lines;
-           l += (long long)gridDim.x * blockDim.x)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a_bytes + l * 128));
-    }
-  }
   const unsigned long long l2_policy = weight_l2_policy();
   const int lane = threadIdx.x & 31;
   const unsigned lane4 = 4u * lane;
