@@ -22,7 +22,7 @@ import os
 import numpy as np
 from latency_kernel import layer_weights
 from latency_phases import stamps_view
-from mma_phases import stamped_gemm_mma
+from mma_phases import POINTS_ALLOCATED, stamped_gemm_mma
 
 
 def ranks(x: np.ndarray) -> np.ndarray:
@@ -63,7 +63,7 @@ def main() -> int:
                     if not modules:
                         print(f"{layer} k={k} M={M}: no gemm_mma launch")
                         continue
-                    view = stamps_view(modules[-1], 2048, 16, 8, "kbit_mma_phases")
+                    view = stamps_view(modules[-1], 2048, 16, POINTS_ALLOCATED, "kbit_mma_phases")
                     flush = harness._flusher(harness.DEFAULT_FLUSH_BYTES)
 
                     def body(flush=flush, call=call):

@@ -127,7 +127,7 @@ def summarize(samples: list[np.ndarray]) -> dict:
         entry_t = np.where(used, t[:, :, 0], np.inf).min(axis=1)  # per CTA
         entry_c = np.where(used, c[:, :, 0], np.inf).min(axis=1)
         rec = {"spread": entry_t.max() - entry_t.min()}
-        for p in range(1, 8):
+        for p in range(1, st.shape[2]):
             cp_ = np.where(used & (c[:, :, p] > 0), c[:, :, p], -np.inf).max(axis=1) - entry_c
             cp_ = cp_[np.isfinite(cp_)] / ghz
             rec[f"p{p}_med"] = float(np.median(cp_)) if cp_.size else float("nan")
@@ -140,18 +140,18 @@ def summarize(samples: list[np.ndarray]) -> dict:
 
 
 def phases(module, call, stream, replays: int, flush_kind: str = "overwrite",
-           symbol: str = "kbit_latency_phases", max_warps: int = 0
+           symbol: str = "kbit_latency_phases", max_warps: int = 0, points: int = 8
            ) -> tuple[dict, int, int]:
     """Stamps of ``replays`` graph replays of (256 MB overwrite, or read with
     ``flush_kind`` "read", then ``call()``, the stamped launch): (summarize's
     medians, CTAs, warps per CTA). ``symbol``, ``max_warps``: the module's
-    stamp array and its warps per CTA (default: gemm_latency.cu's)."""
+    stamp array, its warps per CTA (default: gemm_latency.cu's) and points."""
     import cupy as cp
 
     from kbit_cupy import _jit
     from kbit_cupy.bench import harness
 
-    view = stamps_view(module, 2048, max_warps or _jit.GEMM_LATENCY_MAX_WARPS, 8, symbol)
+    view = stamps_view(module, 2048, max_warps or _jit.GEMM_LATENCY_MAX_WARPS, points, symbol)
     samples = []
     with stream:
         flush = (harness.read_flusher(harness.DEFAULT_FLUSH_BYTES) if flush_kind == "read"

@@ -10,7 +10,12 @@ clock at these points:
       staged (the tables built)          6 the warp's part of the tables written
     3 the segment multiplied (the last    7 C (or the partial tiles) stored
       segment's, wgmma: after the wait)     (not on the cluster path)
-(1 is stamped after 2: it is when both had happened.)
+(1 is stamped after 2: it is when both had happened.) The grouped launch
+(``--moe``) stamps its set-up too:
+
+    8 the router's ids staged and counted (moe_linear)
+    9 the problems counted and scanned
+   10 the rows of the CTA's problems placed (moe_linear)
 
 The public call (``kbit_gemm(..., kernel=--kernel)``, the launch plan as the
 package makes it) runs in a CUDA graph of (256 MB overwrite, call), the
@@ -22,6 +27,13 @@ Where a call launches more than one gemm_mma kernel, the last one built is
 stamped.
 
     PYTHONPATH=.:benchmarks python benchmarks/mma_phases.py --layers 768x2048 --k 4 --m 64 128 256
+
+With ``--moe E,TOP_K`` the stamped calls are instead ``moe_linear`` and
+``kbit_grouped_gemm`` (the same pairs grouped by expert) over E experts of
+each --layers K_dimxN, top-k routing, T = --m tokens, one line each; where a
+call takes the few-row latency kernel nothing is stamped.
+
+    PYTHONPATH=.:benchmarks python benchmarks/mma_phases.py --moe 512,10 --layers 2048x512 --m 8 32
 """
 
 from __future__ import annotations
@@ -34,7 +46,9 @@ import os
 import numpy as np
 from latency_phases import add_flush_argument, phases
 
-POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables", "stored")
+POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables", "stored",
+          "ids in", "scanned", "placed")
+POINTS_ALLOCATED = 12  # gemm_mma.cu's kMmaPhasePoints
 
 
 @contextlib.contextmanager
@@ -85,6 +99,9 @@ def main() -> int:
     add_flush_argument(p)
     p.add_argument("--define", action="append", default=[],
                    help="NAME=VALUE: also compile the stamped kernels with -DNAME=VALUE")
+    p.add_argument("--moe", default=None, metavar="E,TOP_K",
+                   help="stamp moe_linear and kbit_grouped_gemm over E experts of each "
+                        "--layers K_dimxN, top-k routing, T = --m tokens (k = --k)")
     p.add_argument("--warm-code", action="store_true",
                    help="in the stamped graph, a call of the same kernel on another weight, "
                         "A and output between the flush and the stamped call (its code in "
@@ -104,6 +121,8 @@ def main() -> int:
           f"{args.dtype}, kernel={args.kernel}, cold L2 (stamps after a 256 MB {args.flush}), graph replays "
           f"{args.replays}, defines {args.define}", flush=True)
     print("times in us since each CTA's entry: median CTA / slowest CTA")
+    if args.moe:
+        return moe_main(args, dtype)
     print(f"{'layer':>10} {'k':>2} {'M':>4} {'CTAs':>5} {'warps':>5} {'spread':>6} "
           + " ".join(f"{n:>13}" for n in POINTS)
           + f" {'span':>6} {'graph':>6} {'plain':>6} {'cuBLAS':>6}", flush=True)
@@ -149,7 +168,8 @@ def main() -> int:
                           f"{float(cp.abs(out_q.astype(cp.float32)).max()):.3g})")
                 stamped = ((lambda w=warm, q=probe: (w(), q())) if args.warm_code else probe)
                 s, ctas, warps = phases(modules[-1], stamped, stream, args.replays, args.flush,
-                                        symbol="kbit_mma_phases", max_warps=16)
+                                        symbol="kbit_mma_phases", max_warps=16,
+                                        points=POINTS_ALLOCATED)
                 cells = " ".join(f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
                                  for i in range(1, 8))
                 t_probe = harness.time_graph(probe, reps=20)
@@ -158,6 +178,67 @@ def main() -> int:
                 print(f"{layer:>10} {k:>2} {M:>4} {ctas:>5} {warps:>5} {s['spread'] / 1e3:6.2f} "
                       f"{cells} {s['span'] / 1e3:6.2f} {t_probe['median_us']:6.2f} "
                       f"{t_plain['median_us']:6.2f} {t_cublas['median_us']:6.2f}", flush=True)
+    return 0
+
+
+def moe_main(args, dtype) -> int:
+    """--moe: one line per (shape, T, call), the grouped launch's stamps in the
+    order of its set-up (points 8, 9, 10, then 1, 2, 6, 3, 7)."""
+    import cupy as cp
+    import moe_gap_probe
+
+    from kbit_cupy import kbit_grouped_gemm, moe_linear, quantize_experts
+    from kbit_cupy.bench import harness
+
+    E, top_k = (int(v) for v in args.moe.split(","))
+    moe_gap_probe.ACT = dtype  # (_routed's activations)
+    order = (8, 9, 10, 1, 2, 6, 3, 7)
+    print(f"{E} experts, top-{top_k}; points in set-up order")
+    print(f"{'shape':>10} {'k':>2} {'T':>4} {'call':>8} {'CTAs':>5} {'warps':>5} {'spread':>6} "
+          + " ".join(f"{POINTS[i - 1]:>13}" for i in order)
+          + f" {'span':>6} {'graph':>6} {'plain':>6}", flush=True)
+    rng = np.random.default_rng(0)
+    for layer in args.layers:
+        K_dim, N = (int(v) for v in layer.lower().split("x"))
+        W = cp.asarray((rng.standard_normal((E, N, K_dim)) * 0.02).astype(np.float16))
+        for k in args.k:
+            plain_x, probe_x = (quantize_experts(W, k=k).prepare() for _ in range(2))
+            cp.cuda.Device().synchronize()  # prepare() ran on the default stream
+            stream = harness._bench_stream()
+            for T in args.m:
+                ids, x, offsets, rows = moe_gap_probe._routed(T, E, top_k, K_dim, rng)
+                x, rows = x.astype(dtype), rows.astype(dtype)
+                cp.cuda.Device().synchronize()
+                for name in ("moe", "grouped"):
+                    out_q, out_p = (cp.empty((T, top_k, N), dtype) for _ in range(2))
+                    if name == "moe":
+                        plain, probe = (functools.partial(moe_linear, x, ids, w, out=o, validate=False)
+                                        for w, o in ((plain_x, out_q), (probe_x, out_p)))
+                    else:
+                        plain, probe = (functools.partial(kbit_grouped_gemm, rows, w, offsets,
+                                                          out=o.reshape(T * top_k, N), validate=False)
+                                        for w, o in ((plain_x, out_q), (probe_x, out_p)))
+                    with stream:
+                        plain()
+                        with stamped_gemm_mma(args.define) as modules:
+                            probe()
+                        stream.synchronize()
+                    if not modules:
+                        print(f"{layer:>10} {k:>2} {T:>4} {name:>8}  (no gemm_mma launch: nothing stamped)")
+                        continue
+                    if not bool(cp.all(out_p == out_q)):
+                        print(f"  {layer} k={k} T={T} {name}: stamped and plain kernels' bits differ")
+                    s, ctas, warps = phases(modules[-1], probe, stream, args.replays, args.flush,
+                                            symbol="kbit_mma_phases", max_warps=16,
+                                            points=POINTS_ALLOCATED)
+                    cells = " ".join(f"{s[f'p{i}_med'] / 1e3:6.2f}/{s[f'p{i}_max'] / 1e3:6.2f}"
+                                     for i in order)
+                    t_probe = harness.time_graph(probe, reps=20)
+                    t_plain = harness.time_graph(plain, reps=20)
+                    print(f"{layer:>10} {k:>2} {T:>4} {name:>8} {ctas:>5} {warps:>5} "
+                          f"{s['spread'] / 1e3:6.2f} {cells} {s['span'] / 1e3:6.2f} "
+                          f"{t_probe['median_us']:6.2f} {t_plain['median_us']:6.2f}", flush=True)
+        del W
     return 0
 
 

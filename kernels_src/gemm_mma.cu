@@ -301,7 +301,7 @@ constexpr int kMaxClusterSplits = 8;
 // kbit_mma_phases[cta][warp][p][0, 1] (points: benchmarks/mma_phases.py).
 // mma_phase_after first stores `dep` (a loaded word) to a sink, so the stamp
 // comes after that load's data arrived.
-constexpr int kMmaPhaseCtas = 2048, kMmaPhaseWarps = 16, kMmaPhasePoints = 8;
+constexpr int kMmaPhaseCtas = 2048, kMmaPhaseWarps = 16, kMmaPhasePoints = 12;
 #ifdef KBIT_MMA_PHASES
 extern "C" {  // unmangled names: RawModule.get_global finds them
 __device__ unsigned long long kbit_mma_phases[kMmaPhaseCtas * kMmaPhaseWarps * kMmaPhasePoints * 2];
@@ -551,6 +551,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         }
       }
       __syncthreads();
+      mma_phase(8);  // the router's ids staged and counted
     }
     // Block-wide prefix count: thread i scans experts [i * per, (i + 1) * per).
     const int per = (experts + blockDim.x - 1) / blockDim.x;
@@ -585,6 +586,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       row_start[experts] = route_ids ? rows_before : clamped(experts);
     }
     __syncthreads();
+    mma_phase(9);  // the problems counted and scanned (grouped)
     const int groups = tile_cum[experts] * problem_groups;
     const int units = groups * k_tiles;  // < 2^31: experts.py
     // CTAs used: all (stream-K), or one per group when that leaves the
@@ -886,6 +888,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
                         u_begin / group_units / problem_groups,
                         (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
+      mma_phase(10);  // the rows of this CTA's problems placed (route_ids)
     }
   }
 #endif
