@@ -54,9 +54,10 @@ _ROUTE_SHARED_INTS = 11 * 1024
 # problems it works on: one pass over the pairs per problem, 8 bytes of
 # shared memory per pair) instead of launching moe_route.cu first. H200, k=4
 # fp16, kernel-only, 8192 against 4096 (results/moe_gap_probe_h200_route_cap_*_5b1175c.txt):
-# moe_linear at 5120-8192 pairs 0.0-1.3% less time where the ids fit (128
-# experts of [2048, 768] and [1536, 2048] at T=1024, 512 of [512, 2048] at
-# T=512), within 0.1% at 512 x T=800; not taken for so little.
+# moe_linear at 5120-8192 pairs 0.5-1.3% less time (128 experts of
+# [2048, 768] and [1536, 2048] at T=1024, 512 of [512, 2048] at T=512), the
+# same at 512 x T=800 (which form ran there was not checked); not taken for
+# so little.
 _FUSED_ROUTE_MAX_PAIRS = 4096
 
 

@@ -614,10 +614,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
 #if !KBIT_ROUTED_PREFETCH  // (the rows placed before the weights are asked for)
   if constexpr (GROUPED) {
-    if (route_ids && u_begin < u_end)  // (CTA-uniform)
+    if (route_ids && u_begin < u_end) {  // (CTA-uniform)
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
                         u_begin / group_units / problem_groups,
                         (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
+      mma_phase(10);  // (as below)
+    }
   }
 #endif
   // The CTA whose range holds unit v (ranges are never empty: ctas <= units;
