@@ -342,11 +342,21 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 // the ids staged in shared memory: thread t counts its slice of them, an
 // exclusive scan gives each slice its rank, and the slices that hold the
 // problem's rows place them. Not inlined: inlined, the kernel's k = 5 variant
-// with fp16 scales at 4 n8 tiles and four warpgroups spilled 24 bytes.
-__device__ __noinline__ void place_routed_rows(const int* route_id, int* route_order,
-                                               const int* tile_cum, const int* row_start,
-                                               int* warp_sums, int M, int experts, int p_first,
-                                               int p_last, int rows_per_problem) {
+// with fp16 scales at 4 n8 tiles and four warpgroups spilled 24 bytes
+// (KBIT_PLACE_INLINE=1 inlines it, for A/B runs of the call's cost).
+#ifndef KBIT_PLACE_INLINE
+#define KBIT_PLACE_INLINE 0
+#endif
+#if KBIT_PLACE_INLINE
+#define KBIT_PLACE_QUALIFIER __forceinline__
+#else
+#define KBIT_PLACE_QUALIFIER __noinline__
+#endif
+__device__ KBIT_PLACE_QUALIFIER void place_routed_rows(const int* route_id, int* route_order,
+                                                       const int* tile_cum, const int* row_start,
+                                                       int* warp_sums, int M, int experts,
+                                                       int p_first, int p_last,
+                                                       int rows_per_problem) {
   // An odd slice (KBIT_ROUTE_SLICE_ODD, default 1): the lanes' i-th ids lie
   // an odd number of words apart, in 32 banks; an even one shares banks
   // (8 ids a thread: 8 lanes a bank). The ranks are the same either way.
