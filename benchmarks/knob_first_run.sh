@@ -41,7 +41,8 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-cap     # in-launch routing past 4096 pairs: A/B; memcheck (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-slice   # odd id slices in the placement: A/B; issue 21's table (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-check   # test_experts, memcheck, two A/Bs at 512 experts T = 8, 32 (~8 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases    # stamps of the grouped launch's set-up, moe_linear and grouped; the placement inlined: A/B (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases    # stamps of the grouped launch's set-up, moe_linear and grouped (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -288,12 +289,15 @@ case "${1:-}" in
     for shape in 2048x1536 768x2048; do
       run 200 mma_phases_moe_${tag}_128e_${shape}_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
         --layers "$shape" --m 8 128 512
-    done
-    # the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined)
+    done ;;
+  moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
+    warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do
       IFS=: read -r e shape ts topk <<< "$c"
-      run 100 moe_gap_probe_${tag}_place_inline_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
-        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_PLACE_INLINE=1
+      for d in KBIT_PLACE_INLINE=1 KBIT_ROUTE_ONE_SCAN=1; do
+        run 100 moe_gap_probe_${tag}_${d%%=*}_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+          --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab "$d"
+      done
     done ;;
   latency-cap)  # the few-row launch's bound: 1024 against the default (1536 on a >= 4 TB/s GPU for experts of <= 2^22 weights); Qwen3-235B's gate_up with the bound at 1536 (run at 8436f3c: 1024 against 8192 and 2048)
     for c in 512:2048x512:4,5 128:2048x1536:2 128:768x2048:1,2; do

@@ -289,6 +289,11 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #ifndef KBIT_ROUTE_SLICE_ODD
 #define KBIT_ROUTE_SLICE_ODD 1
 #endif
+// KBIT_ROUTE_ONE_SCAN=1 (A/B runs): moe_linear's in-launch routing scans the
+// problems and the rows per expert in one 64-bit scan instead of two.
+#ifndef KBIT_ROUTE_ONE_SCAN
+#define KBIT_ROUTE_ONE_SCAN 0
+#endif
 
 // Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
@@ -536,6 +541,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   int* route_order = route_id + (route_ids ? M : 0);
   const int problem_groups = (row_tiles + warps * RPW - 1) / (warps * RPW);
   __shared__ int warp_sums[GROUPED ? 32 : 1];  // (grouped: cta_exclusive_scan's)
+#if KBIT_ROUTE_ONE_SCAN
+  __shared__ long long warp_sums64[GROUPED ? 32 : 1];
+#endif
   if constexpr (GROUPED) {
     // route_ids (moe_linear up to experts._FUSED_ROUTE_MAX_PAIRS pairs): each
     // CTA counts the pairs per expert itself (integer shared atomics:
@@ -578,11 +586,23 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       mine = min(mine + problems(rows_of(e)), rem);
       mine_rows += route_ids ? rows_of(e) : 0;
     }
-    int before = min(cta_exclusive_scan(mine, warp_sums), rem);
-    int rows_before = 0;
+    int before, rows_before = 0;
+#if KBIT_ROUTE_ONE_SCAN
     if (route_ids) {
-      __syncthreads();  // every thread has read warp_sums
-      rows_before = cta_exclusive_scan(mine_rows, warp_sums);
+      // the problems and the rows in one scan, packed high and low (the rows
+      // sum to at most M < 2^32: no carry; the problems to less than 2^31)
+      const long long both = cta_exclusive_scan(((long long)mine << 32) | (unsigned)mine_rows,
+                                                warp_sums64);
+      before = min((int)(both >> 32), rem);
+      rows_before = (int)(unsigned)both;
+    } else
+#endif
+    {
+      before = min(cta_exclusive_scan(mine, warp_sums), rem);
+      if (route_ids) {
+        __syncthreads();  // every thread has read warp_sums
+        rows_before = cta_exclusive_scan(mine_rows, warp_sums);
+      }
     }
     for (int e = e0; e < e1; ++e) {
       const int rows = rows_of(e);  // (this thread's own count, read before it is replaced)
