@@ -716,6 +716,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   auto row_tile = [&](int grp_l, int r) {
     return min((grp_l * warps + warp) * RPW + r, row_tiles - 1);
   };
+  // The first K tile of row tile r of a grouped place's group (its expert's
+  // tiles, then the group's row tile); < 2^31: experts.py.
+  auto place_tile0 = [&](const Place& pl, int r) {
+    return (pl.e * row_tiles + row_tile(pl.gl, r)) * k_tiles;
+  };
   // The walk over this CTA's units (CTA-uniform): unit u is K tile kt of
   // group grp. The current segment is K tiles seg_kt0 .. seg_kt0 + seg_n - 1
   // of grp (tile index base[r] + K tile); seg_more: another segment (the
@@ -909,7 +914,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         const Place first = locate(grp, -1);
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-          const long long idx = first.e * row_tiles * k_tiles + row_tile(first.gl, r) * k_tiles + kt;
+          const long long idx = place_tile0(first, r) + kt;
 #pragma unroll
           for (int q = 0; q < K; ++q)
             asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + (idx * K + q) * 32 + lane));
@@ -930,7 +935,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     int idx[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
-      idx[r] = (GROUPED ? (cur.e * row_tiles + row_tile(cur.gl, r)) * k_tiles : row_tile(grp, r) * k_tiles) + kt;
+      idx[r] = (GROUPED ? place_tile0(cur, r) : row_tile(grp, r) * k_tiles) + kt;
     load_tile(idx, w_s[0], raw_s[0]);
   }
 
@@ -1728,8 +1733,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     if (GROUPED && seg_more) nxt = locate(grp + 1, cur.e);
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      base[r] = GROUPED ? (cur.e * row_tiles + row_tile(cur.gl, r)) * k_tiles : row_tile(grp, r) * k_tiles;
-      next_base[r] = GROUPED ? (nxt.e * row_tiles + row_tile(nxt.gl, r)) * k_tiles
+      base[r] = GROUPED ? place_tile0(cur, r) : row_tile(grp, r) * k_tiles;
+      next_base[r] = GROUPED ? place_tile0(nxt, r)
                              : row_tile(grp + 1, r) * k_tiles;
     }
     zero_acc();
