@@ -42,6 +42,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-slice   # odd id slices in the placement: A/B; issue 21's table (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-check   # test_experts, memcheck, two A/Bs at 512 experts T = 8, 32 (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases    # stamps of the grouped launch's set-up, moe_linear and grouped (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases2   # the placement's own stamps, with and without the prefetch (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
@@ -289,6 +290,15 @@ case "${1:-}" in
     for shape in 2048x1536 768x2048; do
       run 200 mma_phases_moe_${tag}_128e_${shape}_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
         --layers "$shape" --m 8 128 512
+    done ;;
+  moe-phases2)  # the placement's own stamps (11 placing, 12 first scan), with and without the first tile's prefetch
+    warm "" gemm_mma
+    for d in "" "--define KBIT_ROUTED_PREFETCH=0"; do
+      sfx=$([ -n "$d" ] && echo _noprefetch || echo "")
+      run 150 mma_phases_moe2_${tag}_512e${sfx}_${commit}.txt python benchmarks/mma_phases.py --moe 512,10 \
+        --layers 2048x512 --m 8 128 $d
+      run 150 mma_phases_moe2_${tag}_128e_2048x1536${sfx}_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
+        --layers 2048x1536 --m 128 512 $d
     done ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
     warm "" gemm_mma

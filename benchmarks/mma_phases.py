@@ -16,6 +16,9 @@ clock at these points:
     8 the router's ids staged and counted (moe_linear)
     9 the problems counted and scanned
    10 the rows of the CTA's problems placed (moe_linear)
+   11 the placement about to start (moe_linear; after the first tile's
+      prefetch where KBIT_ROUTED_PREFETCH is on)
+   12 the placement's first problem counted and scanned (moe_linear)
 
 The public call (``kbit_gemm(..., kernel=--kernel)``, the launch plan as the
 package makes it) runs in a CUDA graph of (256 MB overwrite, call), the
@@ -47,8 +50,8 @@ import numpy as np
 from latency_phases import add_flush_argument, phases
 
 POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables", "stored",
-          "ids in", "scanned", "placed")
-POINTS_ALLOCATED = 12  # gemm_mma.cu's kMmaPhasePoints
+          "ids in", "scanned", "placed", "placing", "1st scan")
+POINTS_ALLOCATED = 13  # gemm_mma.cu's kMmaPhasePoints
 
 
 @contextlib.contextmanager
@@ -183,7 +186,7 @@ def main() -> int:
 
 def moe_main(args, dtype) -> int:
     """--moe: one line per (shape, T, call), the grouped launch's stamps in the
-    order of its set-up (points 8, 9, 10, then 1, 2, 6, 3, 7)."""
+    order of its set-up (points 8, 9, 11, 12, 10, then 1, 2, 6, 3, 7)."""
     import cupy as cp
     import moe_gap_probe
 
@@ -192,7 +195,7 @@ def moe_main(args, dtype) -> int:
 
     E, top_k = (int(v) for v in args.moe.split(","))
     moe_gap_probe.ACT = dtype  # (_routed's activations)
-    order = (8, 9, 10, 1, 2, 6, 3, 7)
+    order = (8, 9, 11, 12, 10, 1, 2, 6, 3, 7)
     print(f"{E} experts, top-{top_k}; points in set-up order")
     print(f"{'shape':>10} {'k':>2} {'T':>4} {'call':>8} {'CTAs':>5} {'warps':>5} {'spread':>6} "
           + " ".join(f"{POINTS[i - 1]:>13}" for i in order)

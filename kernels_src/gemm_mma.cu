@@ -306,7 +306,7 @@ constexpr int kMaxClusterSplits = 8;
 // kbit_mma_phases[cta][warp][p][0, 1] (points: benchmarks/mma_phases.py).
 // mma_phase_after first stores `dep` (a loaded word) to a sink, so the stamp
 // comes after that load's data arrived.
-constexpr int kMmaPhaseCtas = 2048, kMmaPhaseWarps = 16, kMmaPhasePoints = 12;
+constexpr int kMmaPhaseCtas = 2048, kMmaPhaseWarps = 16, kMmaPhasePoints = 13;
 #ifdef KBIT_MMA_PHASES
 extern "C" {  // unmangled names: RawModule.get_global finds them
 __device__ unsigned long long kbit_mma_phases[kMmaPhaseCtas * kMmaPhaseWarps * kMmaPhasePoints * 2];
@@ -380,6 +380,7 @@ __device__ KBIT_PLACE_QUALIFIER void place_routed_rows(const int* route_id, int*
     int mine = 0;
     for (int i = i0; i < i1; ++i) mine += route_id[i] == e;
     int rank = cta_exclusive_scan(mine, warp_sums);
+    if (p == p_first) mma_phase(12);  // the first problem's ids counted and scanned
     if (rank < r1 && rank + mine > r0) {
       for (int i = i0; i < i1; ++i) {
         if (route_id[i] != e) continue;
@@ -645,6 +646,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #if !KBIT_ROUTED_PREFETCH  // (the rows placed before the weights are asked for)
   if constexpr (GROUPED) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
+      mma_phase(11);  // (as below)
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
                         u_begin / group_units / problem_groups,
                         (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
@@ -922,6 +924,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                                                               idx * 32 + lane));
         }
       }
+      mma_phase(11);  // the first tile asked of L2, the placement about to start
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
                         u_begin / group_units / problem_groups,
                         (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
