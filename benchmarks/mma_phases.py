@@ -19,6 +19,8 @@ clock at these points:
    11 the placement about to start (moe_linear; after the first tile's
       prefetch where KBIT_ROUTED_PREFETCH is on)
    12 the placement's first problem counted and scanned (moe_linear)
+   13 the placement's first expert found (its binary search; moe_linear)
+   14 the placement's first problem's ids counted, before the scan (moe_linear)
 
 The public call (``kbit_gemm(..., kernel=--kernel)``, the launch plan as the
 package makes it) runs in a CUDA graph of (256 MB overwrite, call), the
@@ -50,8 +52,8 @@ import numpy as np
 from latency_phases import add_flush_argument, phases
 
 POINTS = ("weights in", "A staged", "multiplied", "shared", "exit", "tables", "stored",
-          "ids in", "scanned", "placed", "placing", "1st scan")
-POINTS_ALLOCATED = 13  # gemm_mma.cu's kMmaPhasePoints
+          "ids in", "scanned", "placed", "placing", "1st scan", "1st expert", "1st count")
+POINTS_ALLOCATED = 15  # gemm_mma.cu's kMmaPhasePoints
 
 
 @contextlib.contextmanager
@@ -186,7 +188,7 @@ def main() -> int:
 
 def moe_main(args, dtype) -> int:
     """--moe: one line per (shape, T, call), the grouped launch's stamps in the
-    order of its set-up (points 8, 9, 11, 12, 10, then 1, 2, 6, 3, 7)."""
+    order of its set-up (points 8, 9, 11, 13, 14, 12, 10, then 1, 2, 6, 3, 7)."""
     import cupy as cp
     import moe_gap_probe
 
@@ -195,7 +197,7 @@ def moe_main(args, dtype) -> int:
 
     E, top_k = (int(v) for v in args.moe.split(","))
     moe_gap_probe.ACT = dtype  # (_routed's activations)
-    order = (8, 9, 11, 12, 10, 1, 2, 6, 3, 7)
+    order = (8, 9, 11, 13, 14, 12, 10, 1, 2, 6, 3, 7)
     print(f"{E} experts, top-{top_k}; points in set-up order")
     print(f"{'shape':>10} {'k':>2} {'T':>4} {'call':>8} {'CTAs':>5} {'warps':>5} {'spread':>6} "
           + " ".join(f"{POINTS[i - 1]:>13}" for i in order)

@@ -306,7 +306,7 @@ constexpr int kMaxClusterSplits = 8;
 // kbit_mma_phases[cta][warp][p][0, 1] (points: benchmarks/mma_phases.py).
 // mma_phase_after first stores `dep` (a loaded word) to a sink, so the stamp
 // comes after that load's data arrived.
-constexpr int kMmaPhaseCtas = 2048, kMmaPhaseWarps = 16, kMmaPhasePoints = 13;
+constexpr int kMmaPhaseCtas = 2048, kMmaPhaseWarps = 16, kMmaPhasePoints = 15;
 #ifdef KBIT_MMA_PHASES
 extern "C" {  // unmangled names: RawModule.get_global finds them
 __device__ unsigned long long kbit_mma_phases[kMmaPhaseCtas * kMmaPhaseWarps * kMmaPhasePoints * 2];
@@ -377,8 +377,10 @@ __device__ KBIT_PLACE_QUALIFIER void place_routed_rows(const int* route_id, int*
       if (tile_cum[mid] <= p) e = mid; else hi = mid;
     }
     const int r0 = (p - tile_cum[e]) * rows_per_problem, r1 = r0 + rows_per_problem;
+    if (p == p_first) mma_phase_after(13, r0);  // the first problem's expert found
     int mine = 0;
     for (int i = i0; i < i1; ++i) mine += route_id[i] == e;
+    if (p == p_first) mma_phase_after(14, mine);  // its ids counted (this thread's slice)
     int rank = cta_exclusive_scan(mine, warp_sums);
     if (p == p_first) mma_phase(12);  // the first problem's ids counted and scanned
     if (rank < r1 && rank + mine > r0) {
