@@ -43,6 +43,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh route-check   # test_experts, memcheck, two A/Bs at 512 experts T = 8, 32 (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases    # stamps of the grouped launch's set-up, moe_linear and grouped (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases2   # the placement's own stamps, with and without the prefetch (~4 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-early-tile # the first weight tile before the placement: A/B and stamps (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
@@ -300,6 +301,17 @@ case "${1:-}" in
       run 150 mma_phases_moe2_${tag}_128e_2048x1536${sfx}_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
         --layers 2048x1536 --m 128 512 $d
     done ;;
+  moe-early-tile)  # moe_linear: the first weight tile loaded into registers before the placement (inlined), A/B and stamps
+    warm "" gemm_mma
+    for c in 512:2048x512:8,32,128:10 128:2048x1536:8,128,512:8 128:768x2048:8,128,512:8; do
+      IFS=: read -r e shape ts topk <<< "$c"
+      run 120 moe_gap_probe_${tag}_early_tile_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_ROUTED_EARLY_TILE=1
+    done
+    run 100 mma_phases_moe_${tag}_early_tile_512e_${commit}.txt python benchmarks/mma_phases.py --moe 512,10 \
+      --layers 2048x512 --m 8 --define KBIT_ROUTED_EARLY_TILE=1
+    run 100 mma_phases_moe_${tag}_early_tile_128e_2048x1536_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
+      --layers 2048x1536 --m 128 --define KBIT_ROUTED_EARLY_TILE=1 ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do

@@ -273,6 +273,13 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #ifndef KBIT_ROUTED_PREFETCH
 #define KBIT_ROUTED_PREFETCH 1
 #endif
+// KBIT_ROUTED_EARLY_TILE=1 (A/B runs): instead, each warp loads its first
+// weight tile into its registers before the rows are placed (the placement
+// inlined, so the loads stay in flight across it) and only the activations'
+// copies wait for the placement.
+#ifndef KBIT_ROUTED_EARLY_TILE
+#define KBIT_ROUTED_EARLY_TILE 0
+#endif
 
 // moe_linear's fused routing: the router's ids a thread stages and counts are
 // loaded this many at a time, all in flight before the first is stored and
@@ -350,7 +357,7 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 // with fp16 scales at 4 n8 tiles and four warpgroups spilled 24 bytes
 // (KBIT_PLACE_INLINE=1 inlines it, for A/B runs of the call's cost).
 #ifndef KBIT_PLACE_INLINE
-#define KBIT_PLACE_INLINE 0
+#define KBIT_PLACE_INLINE KBIT_ROUTED_EARLY_TILE
 #endif
 #if KBIT_PLACE_INLINE
 #define KBIT_PLACE_QUALIFIER __forceinline__
@@ -645,7 +652,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Grouped: CTAs past the ones used have no units.
   const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
   const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
-#if !KBIT_ROUTED_PREFETCH  // (the rows placed before the weights are asked for)
+#if !KBIT_ROUTED_PREFETCH && !KBIT_ROUTED_EARLY_TILE  // (the rows placed before the weights are asked for)
   if constexpr (GROUPED) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
       mma_phase(11);  // (as below)
@@ -900,7 +907,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-#if KBIT_ROUTED_PREFETCH
+#if KBIT_ROUTED_PREFETCH && !KBIT_ROUTED_EARLY_TILE
   // With route_ids the rows are placed (place_routed_rows) here, after each
   // warp has asked L2 for its first weight tile and scale words (a prefetch:
   // no registers held across the call), so that the placement's barriers
@@ -935,13 +942,32 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   }
 #endif
   Place cur = locate(grp, -1), nxt = cur;  // the current segment's place, the next one's
+  bool tile_loaded = false;  // (KBIT_ROUTED_EARLY_TILE: the first tile's loads issued)
+#if KBIT_ROUTED_EARLY_TILE
+  if constexpr (GROUPED) {
+    if (route_ids && u_begin < u_end) {  // (CTA-uniform)
+      int idx[RPW];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) idx[r] = place_tile0(cur, r) + kt;
+      load_tile(idx, w_s[0], raw_s[0]);
+      tile_loaded = true;
+      mma_phase(11);  // the first tile asked for, the placement about to start
+      place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
+                        u_begin / group_units / problem_groups,
+                        (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
+      mma_phase(10);  // the rows of this CTA's problems placed (route_ids)
+    }
+  }
+#endif
   if (u_begin < u_end && (!kSlab || warp < warps)) {  // (slabs: the producer's)
     if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
-    int idx[RPW];
+    if (!tile_loaded) {
+      int idx[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r)
-      idx[r] = (GROUPED ? place_tile0(cur, r) : row_tile(grp, r) * k_tiles) + kt;
-    load_tile(idx, w_s[0], raw_s[0]);
+      for (int r = 0; r < RPW; ++r)
+        idx[r] = (GROUPED ? place_tile0(cur, r) : row_tile(grp, r) * k_tiles) + kt;
+      load_tile(idx, w_s[0], raw_s[0]);
+    }
   }
 
   // The tables are built while the first loads are in flight; the barrier at
