@@ -273,12 +273,14 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #ifndef KBIT_ROUTED_PREFETCH
 #define KBIT_ROUTED_PREFETCH 1
 #endif
-// KBIT_ROUTED_EARLY_TILE=1 (A/B runs): instead, each warp loads its first
-// weight tile into its registers before the rows are placed (the placement
-// inlined, so the loads stay in flight across it) and only the activations'
-// copies wait for the placement.
+// KBIT_ROUTED_EARLY_TILE: instead, each warp loads its first weight tile
+// into its registers before the rows are placed (the placement inlined, so
+// the loads stay in flight across it) and only the activations' copies wait
+// for the placement. 2 (default): on the Hopper path's grouped variants
+// (kEarlyTile below, with the measurements); 1: on every grouped variant; 0:
+// on none (A/B runs).
 #ifndef KBIT_ROUTED_EARLY_TILE
-#define KBIT_ROUTED_EARLY_TILE 0
+#define KBIT_ROUTED_EARLY_TILE 2
 #endif
 
 // moe_linear's fused routing: the router's ids a thread stages and counts are
@@ -353,22 +355,17 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 // a stable sort (moe_route.cu's order). One block-wide count per problem over
 // the ids staged in shared memory: thread t counts its slice of them, an
 // exclusive scan gives each slice its rank, and the slices that hold the
-// problem's rows place them. Not inlined: inlined, the kernel's k = 5 variant
-// with fp16 scales at 4 n8 tiles and four warpgroups spilled 24 bytes
-// (KBIT_PLACE_INLINE=1 inlines it, for A/B runs of the call's cost).
-#ifndef KBIT_PLACE_INLINE
-#define KBIT_PLACE_INLINE KBIT_ROUTED_EARLY_TILE
-#endif
-#if KBIT_PLACE_INLINE
-#define KBIT_PLACE_QUALIFIER __forceinline__
-#else
-#define KBIT_PLACE_QUALIFIER __noinline__
-#endif
-__device__ KBIT_PLACE_QUALIFIER void place_routed_rows(const int* route_id, int* route_order,
-                                                       const int* tile_cum, const int* row_start,
-                                                       int* warp_sums, int M, int experts,
-                                                       int p_first, int p_last,
-                                                       int rows_per_problem) {
+// problem's rows place them. place_routed_rows_inline is the body inlined
+// (where the first weight tile's loads stay in flight across it: kEarlyTile);
+// place_routed_rows is it called, not inlined: inlined there, the
+// kernel's k = 5 variant with fp16 scales at 4 n8 tiles and four warpgroups
+// spilled 24 bytes (KBIT_PLACE_INLINE=1 inlines it too, for A/B runs of the
+// call's cost).
+__device__ __forceinline__ void place_routed_rows_inline(const int* route_id, int* route_order,
+                                                         const int* tile_cum, const int* row_start,
+                                                         int* warp_sums, int M, int experts,
+                                                         int p_first, int p_last,
+                                                         int rows_per_problem) {
   // An odd slice (KBIT_ROUTE_SLICE_ODD, default 1): the lanes' i-th ids lie
   // an odd number of words apart, in 32 banks; an even one shares banks
   // (8 ids a thread: 8 lanes a bank). The ranks are the same either way.
@@ -399,6 +396,22 @@ __device__ KBIT_PLACE_QUALIFIER void place_routed_rows(const int* route_id, int*
     }
     __syncthreads();  // warp_sums read before the next scan writes it; the rows placed
   }
+}
+#ifndef KBIT_PLACE_INLINE
+#define KBIT_PLACE_INLINE 0
+#endif
+#if KBIT_PLACE_INLINE
+#define KBIT_PLACE_QUALIFIER __forceinline__
+#else
+#define KBIT_PLACE_QUALIFIER __noinline__
+#endif
+__device__ KBIT_PLACE_QUALIFIER void place_routed_rows(const int* route_id, int* route_order,
+                                                       const int* tile_cum, const int* row_start,
+                                                       int* warp_sums, int M, int experts,
+                                                       int p_first, int p_last,
+                                                       int rows_per_problem) {
+  place_routed_rows_inline(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
+                           p_first, p_last, rows_per_problem);
 }
 
 // RPW: row tiles per warp. With many n8 tiles the activation fragments
@@ -444,6 +457,19 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // consumer warps.
   constexpr bool kSlab = WG && M_TILES >= kSlabMinTiles;
   const int warps = kSlab ? 4 * WG : blockDim.x / 32, warp = threadIdx.x / 32;
+  // moe_linear (route_ids): the first weight tile loaded before the rows are
+  // placed (KBIT_ROUTED_EARLY_TILE) on the Hopper path's grouped variants.
+  // H200, k = 4 fp16, kernel-only, in one process against the prefetch and
+  // the placement called (the same bits; results/moe_gap_probe_h200_early_tile_*_ded69f3.txt):
+  // moe_linear top-8 on 128 x [1536, 2048] T = 128 90.59 -> 87.76 us, T = 512
+  // 120.40 -> 118.97; on 128 x [2048, 768] T = 128 54.11 -> 52.44, T = 512
+  // 73.26 -> 72.11; kbit_grouped_gemm (which does not run it; the variant's
+  // code otherwise) 0.9-2.3% less there. On the mma.sync grouped variants
+  // (512 x [512, 2048] top-10 at T = 8..128) both calls took 0.7-2.3% more
+  // from T = 32 up: those keep the prefetch. At 6 n8 tiles and four
+  // warpgroups it spilled (k = 3: 12 bytes, k = 4 with fp16 scales: 64): those too.
+  constexpr bool kEarlyTile =
+      GROUPED && (KBIT_ROUTED_EARLY_TILE == 1 || (KBIT_ROUTED_EARLY_TILE == 2 && WG > 0 && M_TILES <= 4));
   // M chunks (gemm.py's _wg_m_chunks, _wg_slab_chunks): grid z cuts the rows
   // of A and C into chunks of 8 * M_TILES, each its own problem of this
   // launch's geometry, with its own workspace slots and counters. Slab
@@ -652,8 +678,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Grouped: CTAs past the ones used have no units.
   const int u_begin = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta);
   const int u_end = GROUPED && cta >= grouped_ctas ? 0 : range_start(cta + 1);
-#if !KBIT_ROUTED_PREFETCH && !KBIT_ROUTED_EARLY_TILE  // (the rows placed before the weights are asked for)
-  if constexpr (GROUPED) {
+#if !KBIT_ROUTED_PREFETCH  // (the rows placed before the weights are asked for)
+  if constexpr (GROUPED && !kEarlyTile) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
       mma_phase(11);  // (as below)
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
@@ -907,7 +933,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         x_stage[x_align + buf * kStageChunks + x_chunk(row, c)] = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-#if KBIT_ROUTED_PREFETCH && !KBIT_ROUTED_EARLY_TILE
+#if KBIT_ROUTED_PREFETCH
   // With route_ids the rows are placed (place_routed_rows) here, after each
   // warp has asked L2 for its first weight tile and scale words (a prefetch:
   // no registers held across the call), so that the placement's barriers
@@ -919,7 +945,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // 30.56 -> 29.80; 512 x [512, 2048] T = 8 0.5% less; T = 128 0-0.9% less;
   // [2048, 768] at T = 512 0.6% more; kbit_grouped_gemm (no route_ids) 0.3%
   // less to 0.5% more.
-  if constexpr (GROUPED) {
+  if constexpr (GROUPED && !kEarlyTile) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
       {  // (located again after the call: nothing live across it)
         const Place first = locate(grp, -1);
@@ -942,9 +968,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   }
 #endif
   Place cur = locate(grp, -1), nxt = cur;  // the current segment's place, the next one's
-  bool tile_loaded = false;  // (KBIT_ROUTED_EARLY_TILE: the first tile's loads issued)
-#if KBIT_ROUTED_EARLY_TILE
-  if constexpr (GROUPED) {
+  bool tile_loaded = false;  // (kEarlyTile: the first tile's loads issued)
+  if constexpr (kEarlyTile) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
       int idx[RPW];
 #pragma unroll
@@ -952,13 +977,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       load_tile(idx, w_s[0], raw_s[0]);
       tile_loaded = true;
       mma_phase(11);  // the first tile asked for, the placement about to start
-      place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
-                        u_begin / group_units / problem_groups,
-                        (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
+      place_routed_rows_inline(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
+                               u_begin / group_units / problem_groups,
+                               (u_end - 1) / group_units / problem_groups, 8 * M_TILES);
       mma_phase(10);  // the rows of this CTA's problems placed (route_ids)
     }
   }
-#endif
   if (u_begin < u_end && (!kSlab || warp < warps)) {  // (slabs: the producer's)
     if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
     if (!tile_loaded) {
