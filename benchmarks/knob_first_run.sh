@@ -44,6 +44,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases    # stamps of the grouped launch's set-up, moe_linear and grouped (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases2   # the placement's own stamps, with and without the prefetch (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-early-tile # the first weight tile before the placement: A/B and stamps (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-check # its GPU tests, sanitizers and a Qwen3-235B A/B (~10 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
@@ -312,6 +313,15 @@ case "${1:-}" in
       --layers 2048x512 --m 8 --define KBIT_ROUTED_EARLY_TILE=1
     run 100 mma_phases_moe_${tag}_early_tile_128e_2048x1536_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
       --layers 2048x1536 --m 128 --define KBIT_ROUTED_EARLY_TILE=1 ;;
+  early-tile-check)  # the first weight tile before the placement by default (Hopper path): test_experts, memcheck and racecheck of the grouped wgmma launch, Qwen3-235B and Mixtral A/B
+    warm "" gemm_mma gemm_latency moe_route
+    run 330 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
+    run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 3 4 5
+    run 150 sanitize_moe_wgmma_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 4
+    run 100 moe_gap_probe_${tag}_early_tile_off_qwen_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 128 --top-k 8 --shape 4096x3072 --t 128 512 --ab KBIT_ROUTED_EARLY_TILE=0 ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do
