@@ -45,6 +45,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-phases2   # the placement's own stamps, with and without the prefetch (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-early-tile # the first weight tile before the placement: A/B and stamps (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-check # its GPU tests, sanitizers and a Qwen3-235B A/B (~10 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
@@ -322,6 +323,14 @@ case "${1:-}" in
       python benchmarks/sanitize_moe.py --quick --wgmma --k 4
     run 100 moe_gap_probe_${tag}_early_tile_off_qwen_${commit}.txt python benchmarks/moe_gap_probe.py \
       --experts 128 --top-k 8 --shape 4096x3072 --t 128 512 --ab KBIT_ROUTED_EARLY_TILE=0 ;;
+  early-tile-k)  # the first weight tile before the placement at k = 2, 3, 5 (the A/B ran at k = 4), fp16 and bf16, against KBIT_ROUTED_EARLY_TILE=0
+    warm "" gemm_mma
+    for k in 2 3 5; do
+      run 100 moe_gap_probe_${tag}_early_tile_off_k${k}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --k "$k" --shape 2048x1536 --t 128 512 --ab KBIT_ROUTED_EARLY_TILE=0
+    done
+    run 100 moe_gap_probe_${tag}_early_tile_off_bf16_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --dtype bfloat16 --shape 768x2048 --t 128 512 --ab KBIT_ROUTED_EARLY_TILE=0 ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do

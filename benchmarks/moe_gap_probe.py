@@ -1,6 +1,6 @@
 """Where moe_linear's time over kbit_grouped_gemm goes (issue 21: within 15%).
 
-Kernel-only (CUDA graphs, cold L2, harness.time_graph), k=4, fp16, 128
+Kernel-only (CUDA graphs, cold L2, harness.time_graph), k=4 (--k; --dense: k=4), fp16, 128
 experts of [1536, 2048], top-8, T tokens (8T rows):
 - grouped: kbit_grouped_gemm on rows already grouped by expert;
 - gather: the same launch with the rows read and written through an
@@ -27,6 +27,7 @@ ACT = np.dtype(np.float16)  # the activations' dtype (--dtype)
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--t", nargs="+", type=int, default=[128, 512])
+    p.add_argument("--k", type=int, default=4, choices=[2, 3, 4, 5], help="bits per weight")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--shape", default="2048x1536", help="K_dimxN")
@@ -71,11 +72,11 @@ def main() -> int:
     E, top_k = args.experts, args.top_k
     rng = np.random.default_rng(0)
     W = cp.asarray((rng.standard_normal((E, N, K_dim)) * 0.02).astype(np.float16))
-    experts = quantize_experts(W, k=4).prepare()
-    experts_wg = quantize_experts(W, k=4).prepare() if args.wg_ab else None  # own plans
+    experts = quantize_experts(W, k=args.k).prepare()
+    experts_wg = quantize_experts(W, k=args.k).prepare() if args.wg_ab else None  # own plans
     del W
     cp.cuda.Device().synchronize()
-    print(f"{harness.gpu_info()['gpu']}: {E} experts of [{N}, {K_dim}], top-{top_k}, k=4 {ACT.name}")
+    print(f"{harness.gpu_info()['gpu']}: {E} experts of [{N}, {K_dim}], top-{top_k}, k={args.k} {ACT.name}")
     for T in args.t:
         if args.ab:
             _define_ab(T, E, top_k, K_dim, N, experts, args.ab, rng)
