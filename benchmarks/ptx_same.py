@@ -10,6 +10,13 @@ PTX is compared entry by entry. Same PTX means ptxas builds the same SASS.
 
     python benchmarks/ptx_same.py --family gemm_latency --against 44ed5ba
     python benchmarks/ptx_same.py --family gemm_latency --against HEAD --define KBIT_LATENCY_KSPLIT=2
+    python benchmarks/ptx_same.py --family gemm_mma --against HEAD --alone --match ", true, 8>"
+
+``--alone`` compiles each variant as its own program, as the package does at
+run time; without it the family is one program, where NVVM's inlining
+decisions depend on every variant in it (a change to the calls of some
+variants can then show as a difference in others that does not exist at run
+time). ``--match TEXT`` keeps the variants whose C++ name contains TEXT.
 
 ``--define NAME=VALUE`` (repeatable) builds both trees with ``-DNAME=VALUE``:
 an A/B knob's other setting, left alone by a change.
@@ -30,26 +37,32 @@ import json, re, sys
 from cupy_backends.cuda.libs import nvrtc
 from kbit_cupy import _jit
 family, arch, names, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+match, alone = sys.argv[5], sys.argv[6] == "1"
 vs = [v for v in _jit.all_variants() if v.family == family and (not names or v.name in names)
-      and (arch == "sm_90a" or not _jit.needs_sm90a(v.family, v.args))]
-prog = nvrtc.createProgram(_jit.render_source(family), "kbit.cu", [], [])
-for v in vs:
-    nvrtc.addNameExpression(prog, v.name)
-nvrtc.compileProgram(prog, [*_jit.compile_options(), *extra, "-ftz=true", f"-arch={arch}"])
-ptx = nvrtc.getPTX(prog)
-ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+      and match in v.name and (arch == "sm_90a" or not _jit.needs_sm90a(v.family, v.args))]
+def entries(vs):
+    prog = nvrtc.createProgram(_jit.render_source(family), "kbit.cu", [], [])
+    for v in vs:
+        nvrtc.addNameExpression(prog, v.name)
+    nvrtc.compileProgram(prog, [*_jit.compile_options(), *extra, "-ftz=true", f"-arch={arch}"])
+    ptx = nvrtc.getPTX(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    out = {}
+    for e in re.split(r"(?=^\.(?:visible |weak )?\.entry )", ptx, flags=re.M)[1:]:
+        out[e.split("(")[0].split()[-1]] = e
+    return {v.name: out[nvrtc.getLoweredName(prog, v.name)] for v in vs}
 out = {}
-for e in re.split(r"(?=^\.(?:visible |weak )?\.entry )", ptx, flags=re.M)[1:]:
-    out[e.split("(")[0].split()[-1]] = e
-print(json.dumps({v.name: out[nvrtc.getLoweredName(prog, v.name)] for v in vs}))
+for group in ([[v] for v in vs] if alone else [vs]):
+    out.update(entries(group))
+print(json.dumps(out))
 """
 
 
 def _entries(root: str, family: str, arch: str, names: list[str],
-             extra: tuple[str, ...] = ()) -> dict[str, str]:
+             extra: tuple[str, ...] = (), match: str = "", alone: bool = False) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": root}
     done = subprocess.run([sys.executable, "-c", _DUMP, family, arch, json.dumps(names),
-                           json.dumps(list(extra))],
+                           json.dumps(list(extra)), match, "1" if alone else "0"],
                           cwd=root, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"compiling {family} for {arch} in {root} failed:\n{done.stderr[-2000:]}")
@@ -72,6 +85,12 @@ def main() -> int:
     p.add_argument("--against", required=True, help="a commit of this repository")
     p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                    help="build both trees with -DNAME=VALUE (repeatable)")
+    p.add_argument("--match", default="", metavar="TEXT",
+                   help="only the variants whose C++ name contains TEXT, e.g. ', true>'")
+    p.add_argument("--alone", action="store_true",
+                   help="each variant its own program, as get_kernel builds it at run time (slower); "
+                        "one program for the family inlines across variants, so a change to one "
+                        "variant's calls can change another's PTX there and not at run time")
     args = p.parse_args()
     extra = tuple(f"-D{d}" for d in args.define)
     here = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
@@ -82,8 +101,8 @@ def main() -> int:
                        check=True)
         try:
             for arch in ("sm_80", "sm_90a"):
-                old = _entries(tmp, args.family, arch, [], extra)
-                new = _entries(here, args.family, arch, sorted(old), extra)
+                old = _entries(tmp, args.family, arch, [], extra, args.match, args.alone)
+                new = _entries(here, args.family, arch, sorted(old), extra, args.match, args.alone)
                 for name, entry in old.items():
                     params = entry.split(")", 1)[0].count(".param")
                     same = _normalised(entry, params) == _normalised(new[name], params)
