@@ -47,6 +47,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-check # its GPU tests, sanitizers and a Qwen3-235B A/B (~10 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -408,6 +409,15 @@ case "${1:-}" in
       run 100 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-skip 2 \
         --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
         python benchmarks/profile_moe.py "${c%%:*}" "${c##*:}"
+      "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+      run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
+    done ;;
+  moe-ncu-setup)  # per-instruction stall samples of the mma.sync grouped launch at 512 experts T = 8: moe_linear (its set-up) and kbit_grouped_gemm
+    for m in moe grouped; do
+      name=ncu_source_${m}_e512_top10_2048x512_T8_${tag}_${commit}
+      run 120 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-skip 2 \
+        --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
+        python benchmarks/profile_moe.py e512_top10_2048x512 8 $([ "$m" = moe ] && echo --moe-linear)
       "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;

@@ -4,7 +4,9 @@
 
 The inputs are moe_mtiles_ab.py's (seed 0, a uniform top-k router, rows
 grouped by expert); the optional third argument forces the Hopper path's
-n8 tiles per problem (``_jit.GEMM_GROUPED_WG_M_TILES``).
+n8 tiles per problem (``_jit.GEMM_GROUPED_WG_M_TILES``). With
+``--moe-linear`` (anywhere) the launch is moe_linear's instead, on
+moe_gap_probe.py's seeded router ids (its in-launch routing included).
 """
 
 from __future__ import annotations
@@ -25,14 +27,25 @@ def main() -> int:
 
     from kbit_cupy import _jit, kbit_grouped_gemm
 
-    name, T = sys.argv[1], int(sys.argv[2])
-    if len(sys.argv) > 3:
-        _jit.GEMM_GROUPED_WG_M_TILES = (int(sys.argv[3]),)
+    argv = [a for a in sys.argv[1:] if a != "--moe-linear"]
+    routed = "--moe-linear" in sys.argv[1:]
+    name, T = argv[0], int(argv[1])
+    if len(argv) > 2:
+        _jit.GEMM_GROUPED_WG_M_TILES = (int(argv[2]),)
     E, top_k, N, K_dim, _ = CONFIGS[name]
     experts = random_experts(E, N, K_dim)
-    offsets, A = uniform_routed_rows(np.random.default_rng(0), E, top_k, K_dim, T, cp.float16)
-    for _ in range(4):
-        kbit_grouped_gemm(A, experts, offsets, validate=False)
+    if routed:
+        from moe_gap_probe import _routed
+
+        from kbit_cupy import moe_linear
+
+        ids, x, _, _ = _routed(T, E, top_k, K_dim, np.random.default_rng(0))
+        for _ in range(4):
+            moe_linear(x, ids, experts, validate=False)
+    else:
+        offsets, A = uniform_routed_rows(np.random.default_rng(0), E, top_k, K_dim, T, cp.float16)
+        for _ in range(4):
+            kbit_grouped_gemm(A, experts, offsets, validate=False)
     cp.cuda.Device().synchronize()
     return 0
 
