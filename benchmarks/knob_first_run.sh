@@ -46,6 +46,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-early-tile # the first weight tile before the placement: A/B and stamps (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-check # its GPU tests, sanitizers and a Qwen3-235B A/B (~10 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search   # expert lookups by ballots against the binary search; test_experts (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
@@ -332,6 +333,13 @@ case "${1:-}" in
     done
     run 100 moe_gap_probe_${tag}_early_tile_off_bf16_${commit}.txt python benchmarks/moe_gap_probe.py \
       --dtype bfloat16 --shape 768x2048 --t 128 512 --ab KBIT_ROUTED_EARLY_TILE=0 ;;
+  warp-search)  # the grouped launch's expert lookups by warp ballots (default) against the binary search (KBIT_WARP_SEARCH=0); test_experts
+    run 90 moe_gap_probe_${tag}_warp_search_off_512_2048x512_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --experts 512 --top-k 10 --shape 2048x512 --t 8 32 --ab KBIT_WARP_SEARCH=0
+    run 60 moe_gap_probe_${tag}_warp_search_off_128_2048x1536_${commit}.txt python benchmarks/moe_gap_probe.py \
+      --shape 2048x1536 --t 128 --ab KBIT_WARP_SEARCH=0
+    warm "" gemm_mma gemm_latency moe_route
+    run 330 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do

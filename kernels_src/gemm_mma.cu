@@ -349,6 +349,38 @@ __device__ __forceinline__ void mma_phase_after(int point, unsigned dep) {
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS>
 constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SCALE_BYTES, M_TILES, RPW, WG, GROUPED>;
 
+// The grouped launch's expert lookups (the last e in [lo, hi) with cum[e] <=
+// p, cum non-decreasing and cum[lo] <= p) with all 32 lanes of a warp, on
+// warp-uniform arguments: lane l reads the start of chunk l of 32, a ballot
+// picks the last chunk that starts at or below p, and the next round searches
+// it (two rounds up to 1024 experts) instead of one dependent shared load and
+// compare a halving (9 at 512 experts: ncu's stall samples put 0.4-0.5 us of
+// each warp's time in each such search at 512 experts, T = 8; the launch ran
+// two or three before its first weight tile:
+// results/ncu_source_moe_e512_top10_2048x512_T8_h200_8539e96.csv.gz).
+// KBIT_WARP_SEARCH=0: the binary search (A/B runs; the same expert).
+#ifndef KBIT_WARP_SEARCH
+#define KBIT_WARP_SEARCH 1
+#endif
+__device__ __forceinline__ int last_at_or_below(const int* cum, int lo, int hi, int p) {
+#if KBIT_WARP_SEARCH
+  const int lane = threadIdx.x & 31;
+  while (hi - lo > 1) {  // (warp-uniform)
+    const int step = (hi - lo + 31) >> 5;
+    const int idx = lo + lane * step;
+    const unsigned below = __ballot_sync(0xffffffffu, idx < hi && cum[idx] <= p);
+    lo += (31 - __clz(below | 1u)) * step;  // (lane 0: cum[lo] <= p, not read, as the halving)
+    hi = min(hi, lo + step);
+  }
+#else
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (cum[mid] <= p) lo = mid; else hi = mid;
+  }
+#endif
+  return lo;
+}
+
 // Grouped launch with routed ids (moe_linear): the sorted rows of problems
 // p_first .. p_last (consecutive rows), of rows_per_problem rows each. Pair i
 // of expert e is sorted row row_start[e] + the pairs before i with expert e,
@@ -375,11 +407,7 @@ __device__ __forceinline__ void place_routed_rows_inline(const int* route_id, in
   const int slice = ((M + blockDim.x - 1) / blockDim.x) | KBIT_ROUTE_SLICE_ODD;
   const int i0 = min(M, (int)threadIdx.x * slice), i1 = min(M, i0 + slice);
   for (int p = p_first; p <= p_last; ++p) {
-    int e = 0, hi = experts;  // the last e with tile_cum[e] <= p, as the kernel's locate()
-    while (hi - e > 1) {
-      const int mid = (e + hi) >> 1;
-      if (tile_cum[mid] <= p) e = mid; else hi = mid;
-    }
+    const int e = last_at_or_below(tile_cum, 0, experts, p);  // (as the kernel's locate())
     const int r0 = (p - tile_cum[e]) * rows_per_problem, r1 = r0 + rows_per_problem;
     if (p == p_first) mma_phase_after(13, r0);  // the first problem's expert found
     int mine = 0;
@@ -727,11 +755,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         hi = min(lo + step, experts);
       }
 #endif
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (tile_cum[mid] <= pl.p) lo = mid; else hi = mid;
-      }
-      pl.e = lo;
+      pl.e = lo = last_at_or_below(tile_cum, lo, hi, pl.p);
       pl.row0 = row_start[lo] + (pl.p - tile_cum[lo]) * 8 * M_TILES;
       pl.rows = min(8 * M_TILES, row_start[lo + 1] - pl.row0);
     }
