@@ -357,8 +357,12 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 // compare a halving (9 at 512 experts: ncu's stall samples put 0.4-0.5 us of
 // each warp's time in each such search at 512 experts, T = 8; the launch ran
 // two or three before its first weight tile:
-// results/ncu_source_moe_e512_top10_2048x512_T8_h200_8539e96.csv.gz).
-// KBIT_WARP_SEARCH=0: the binary search (A/B runs; the same expert).
+// results/ncu_source_moe_e512_top10_2048x512_T8_h200_8539e96.csv.gz). H200,
+// k = 4 fp16, kernel-only, in one process against the halving (the same
+// bits; results/moe_gap_probe_h200_warp_search_off_*_e6bf8c8.txt): moe_linear
+// on 512 x [512, 2048] top-10 T = 8 23.70 -> 22.92 us, T = 32 54.90 -> 54.24;
+// on 128 x [1536, 2048] top-8 T = 128 88.15 -> 87.75; kbit_grouped_gemm
+// 0.3-0.6% less. KBIT_WARP_SEARCH=0: the binary search (A/B runs).
 #ifndef KBIT_WARP_SEARCH
 #define KBIT_WARP_SEARCH 1
 #endif
