@@ -47,6 +47,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-check # its GPU tests, sanitizers and a Qwen3-235B A/B (~10 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search   # expert lookups by ballots against the binary search; test_experts (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search-sanitize # memcheck, racecheck of the grouped launches; issue 21's table (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
@@ -340,6 +341,16 @@ case "${1:-}" in
       --shape 2048x1536 --t 128 --ab KBIT_WARP_SEARCH=0
     warm "" gemm_mma gemm_latency moe_route
     run 330 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py ;;
+  warp-search-sanitize)  # memcheck and racecheck of the grouped launches with the warp search (mma.sync k = 2, 4, 5; wgmma k = 4), issue 21's table
+    warm "" gemm_mma gemm_latency moe_route
+    run 150 sanitize_moe_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --k 2 4 5
+    run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_moe.py --quick --wgmma --k 4
+    run 150 sanitize_moe_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
+      python benchmarks/sanitize_moe.py --quick --k 4
+    run 260 moe_vs_grouped_mm_${tag}_${commit}.txt python benchmarks/moe_vs_grouped_mm.py --t 1 8 32 128 512 \
+      --out "$out/moe_vs_grouped_mm_${tag}_${commit}" ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do
