@@ -317,7 +317,7 @@ case "${1:-}" in
       --layers 2048x512 --m 8 --define KBIT_ROUTED_EARLY_TILE=1
     run 100 mma_phases_moe_${tag}_early_tile_128e_2048x1536_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
       --layers 2048x1536 --m 128 --define KBIT_ROUTED_EARLY_TILE=1 ;;
-  early-tile-check)  # the first weight tile before the placement by default (Hopper path): test_experts, memcheck and racecheck of the grouped wgmma launch, Qwen3-235B and Mixtral A/B
+  early-tile-check)  # the first weight tile before the placement by default (Hopper path): test_experts, memcheck and racecheck of the grouped wgmma launch, a Qwen3-235B A/B
     warm "" gemm_mma gemm_latency moe_route
     run 330 gpu_tests_experts_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py
     run 150 sanitize_moe_wgmma_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \

@@ -373,7 +373,7 @@ __device__ __forceinline__ int last_at_or_below(const int* cum, int lo, int hi, 
     const int step = (hi - lo + 31) >> 5;
     const int idx = lo + lane * step;
     const unsigned below = __ballot_sync(0xffffffffu, idx < hi && cum[idx] <= p);
-    lo += (31 - __clz(below | 1u)) * step;  // (lane 0: cum[lo] <= p, not read, as the halving)
+    lo += (31 - __clz(below | 1u)) * step;  // (chunk 0 at least: cum[lo] <= p is given)
     hi = min(hi, lo + step);
   }
 #else
@@ -391,12 +391,12 @@ __device__ __forceinline__ int last_at_or_below(const int* cum, int lo, int hi, 
 // a stable sort (moe_route.cu's order). One block-wide count per problem over
 // the ids staged in shared memory: thread t counts its slice of them, an
 // exclusive scan gives each slice its rank, and the slices that hold the
-// problem's rows place them. place_routed_rows_inline is the body inlined
-// (where the first weight tile's loads stay in flight across it: kEarlyTile);
-// place_routed_rows is it called, not inlined: inlined there, the
-// kernel's k = 5 variant with fp16 scales at 4 n8 tiles and four warpgroups
-// spilled 24 bytes (KBIT_PLACE_INLINE=1 inlines it too, for A/B runs of the
-// call's cost).
+// problem's rows place them. place_routed_rows_inline is the body, inlined
+// where the first weight tile's loads stay in flight across it (kEarlyTile);
+// elsewhere the kernel calls place_routed_rows, which is not inlined: inlined
+// there, the kernel's k = 5 variant with fp16 scales at 4 n8 tiles and four
+// warpgroups spilled 24 bytes (KBIT_PLACE_INLINE=1 inlines it too, for A/B
+// runs of the call's cost).
 __device__ __forceinline__ void place_routed_rows_inline(const int* route_id, int* route_order,
                                                          const int* tile_cum, const int* row_start,
                                                          int* warp_sums, int M, int experts,
