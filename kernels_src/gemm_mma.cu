@@ -366,6 +366,17 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 #ifndef KBIT_WARP_SEARCH
 #define KBIT_WARP_SEARCH 1
 #endif
+// KBIT_GROUPED_L2_AHEAD=1 (A/B runs, not measured yet): the mma.sync grouped
+// launch prefetches the tile after next into L2 (see its use). At 512 experts
+// and T = 8 (264 CTAs of 8 warps, 8-9 K tiles a warp) the main loop takes
+// about 11.7 us from the first tile's arrival to the last multiply on the
+// H200 (mma_phases_moe_h200_512e_3e1f602.txt): about 1.3 us a tile, a loaded
+// memory round trip, with 2 KB a warp in flight. The same prefetch lost on
+// the dense large layers (bandwidth-bound) and on the grouped wgmma launch
+// (H100, experiment_grouped_wg_prefetch_9c3d3e1.patch).
+#ifndef KBIT_GROUPED_L2_AHEAD
+#define KBIT_GROUPED_L2_AHEAD 0
+#endif
 __device__ __forceinline__ int last_at_or_below(const int* cum, int lo, int hi, int p) {
 #if KBIT_WARP_SEARCH
   const int lane = threadIdx.x & 31;
@@ -1645,6 +1656,24 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
       for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
       load_tile(idx, w_next, raw_next);
+#if KBIT_GROUPED_L2_AHEAD
+      // (A/B runs) the mma.sync grouped launch also asks L2 for the tile after
+      // next within the segment, so that its load a tile later finds it there:
+      // with one tile in flight a warp, the few-row launch's loop waits about
+      // a memory round trip a tile (see KBIT_GROUPED_L2_AHEAD above).
+      if constexpr (GROUPED && !WG) {
+        if (i + 2 < seg_n) {
+#pragma unroll
+          for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+            for (int q = 0; q < K; ++q)
+              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + ((long long)(idx[r] + 1) * K + q) * 32 + lane));
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const RawScale*>(scales) +
+                                                                ((long long)idx[r] + 1) * 32 + lane));
+          }
+        }
+      }
+#endif
     }
 
 #pragma unroll
