@@ -307,7 +307,7 @@ case "${1:-}" in
       run 150 mma_phases_moe2_${tag}_128e_2048x1536${sfx}_${commit}.txt python benchmarks/mma_phases.py --moe 128,8 \
         --layers 2048x1536 --m 128 512 $d
     done ;;
-  moe-early-tile)  # moe_linear: the first weight tile loaded into registers before the placement (inlined), A/B and stamps
+  moe-early-tile)  # moe_linear: the first weight tile loaded into registers before the placement (inlined), A/B and stamps (run at ded69f3 as =1 against that tree's default 0; since b7abdb7 the default is 2, so =1 differs from it only on the mma.sync and past-4-tile grouped variants)
     warm "" gemm_mma
     for c in 512:2048x512:8,32,128:10 128:2048x1536:8,128,512:8 128:768x2048:8,128,512:8; do
       IFS=: read -r e shape ts topk <<< "$c"

@@ -16,11 +16,13 @@ clock at these points:
     8 the router's ids staged and counted (moe_linear)
     9 the problems counted and scanned
    10 the rows of the CTA's problems placed (moe_linear)
-   11 the placement about to start (moe_linear; after the first tile's
-      prefetch where KBIT_ROUTED_PREFETCH is on)
+   11 the placement about to start (moe_linear; after the first tile's L2
+      prefetch, or its loads into registers where the early tile is on:
+      gemm_mma.cu kEarlyTile)
    12 the placement's first problem counted and scanned (moe_linear)
-   13 the placement's first expert found (its binary search; moe_linear)
-   14 the placement's first problem's ids counted, before the scan (moe_linear)
+   13 the placement's first expert found (its search; moe_linear)
+   14 the placement's first problem's ids counted, before the scan (moe_linear;
+      lane 0's slice: the stamping lane's)
 
 The public call (``kbit_gemm(..., kernel=--kernel)``, the launch plan as the
 package makes it) runs in a CUDA graph of (256 MB overwrite, call), the

@@ -1,6 +1,6 @@
 """Where moe_linear's time over kbit_grouped_gemm goes (issue 21: within 15%).
 
-Kernel-only (CUDA graphs, cold L2, harness.time_graph), k=4 (--k; --dense: k=4), fp16, 128
+Kernel-only (CUDA graphs, cold L2, harness.time_graph), k=4 (--k; --dense: k=4 only), fp16, 128
 experts of [1536, 2048], top-8, T tokens (8T rows):
 - grouped: kbit_grouped_gemm on rows already grouped by expert;
 - gather: the same launch with the rows read and written through an
@@ -50,6 +50,8 @@ def main() -> int:
                         "options and with -DNAME=VALUE (or with module.ATTR=VALUE set), timed side "
                         "by side in this process")
     args = p.parse_args()
+    if args.dense and args.k != 4:
+        p.error("--dense compares against k = 4 dense layers only: leave --k at 4")
     global ACT
     ACT = np.dtype(BFLOAT16 if args.dtype == "bfloat16" else np.float16)
 

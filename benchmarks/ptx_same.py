@@ -95,7 +95,7 @@ def main() -> int:
     extra = tuple(f"-D{d}" for d in args.define)
     here = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    differ = 0
+    differ = compared = 0
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["git", "-C", here, "worktree", "add", "--detach", "-q", tmp, args.against],
                        check=True)
@@ -107,9 +107,13 @@ def main() -> int:
                     params = entry.split(")", 1)[0].count(".param")
                     same = _normalised(entry, params) == _normalised(new[name], params)
                     differ += not same
+                    compared += 1
                     print(f"{arch} {'same   ' if same else 'DIFFERS'} {name}")
         finally:
             subprocess.run(["git", "-C", here, "worktree", "remove", "--force", tmp], check=False)
+    if not compared:
+        print(f"no {args.family} variant at {args.against} matches {args.match!r}: nothing compared")
+        return 2
     print(f"{differ} variant(s) differ")
     return 1 if differ else 0
 

@@ -276,9 +276,9 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 // KBIT_ROUTED_EARLY_TILE: instead, each warp loads its first weight tile
 // into its registers before the rows are placed (the placement inlined, so
 // the loads stay in flight across it) and only the activations' copies wait
-// for the placement. 2 (default): on the Hopper path's grouped variants
-// (kEarlyTile below, with the measurements); 1: on every grouped variant; 0:
-// on none (A/B runs).
+// for the placement. 2 (default): on the Hopper path's grouped variants up
+// to 4 n8 tiles (kEarlyTile below, with the measurements); 1: on every
+// grouped variant; 0: on none (A/B runs).
 #ifndef KBIT_ROUTED_EARLY_TILE
 #define KBIT_ROUTED_EARLY_TILE 2
 #endif
@@ -427,7 +427,7 @@ __device__ __forceinline__ void place_routed_rows_inline(const int* route_id, in
     if (p == p_first) mma_phase_after(13, r0);  // the first problem's expert found
     int mine = 0;
     for (int i = i0; i < i1; ++i) mine += route_id[i] == e;
-    if (p == p_first) mma_phase_after(14, mine);  // its ids counted (this thread's slice)
+    if (p == p_first) mma_phase_after(14, mine);  // its ids counted (the stamping lane's slice)
     int rank = cta_exclusive_scan(mine, warp_sums);
     if (p == p_first) mma_phase(12);  // the first problem's ids counted and scanned
     if (rank < r1 && rank + mine > r0) {
@@ -510,7 +510,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // code otherwise) 0.9-2.3% less there. On the mma.sync grouped variants
   // (512 x [512, 2048] top-10 at T = 8..128) both calls took 0.7-2.3% more
   // from T = 32 up: those keep the prefetch. At 6 n8 tiles and four
-  // warpgroups it spilled (k = 3: 12 bytes, k = 4 with fp16 scales: 64): those too.
+  // warpgroups it spilled (k = 3: 12 bytes, k = 4 with fp16 scales: 64), so
+  // past 4 n8 tiles (6..20, not measured with it) the prefetch stays too.
   constexpr bool kEarlyTile =
       GROUPED && (KBIT_ROUTED_EARLY_TILE == 1 || (KBIT_ROUTED_EARLY_TILE == 2 && WG > 0 && M_TILES <= 4));
   // M chunks (gemm.py's _wg_m_chunks, _wg_slab_chunks): grid z cuts the rows
