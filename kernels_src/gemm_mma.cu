@@ -377,6 +377,14 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 #ifndef KBIT_GROUPED_L2_AHEAD
 #define KBIT_GROUPED_L2_AHEAD 0
 #endif
+// KBIT_PLACE_WARP=1 (A/B runs, not measured yet): moe_linear's placement
+// one problem a warp with ballots over the ids instead of a block-wide count
+// and scan a problem (place_routed_rows_inline). ncu's stall samples at 512
+// experts, T = 8 (8539e96) put about 1.6 us of each warp's time in the
+// placement, a third of it the binary search the warp search replaced.
+#ifndef KBIT_PLACE_WARP
+#define KBIT_PLACE_WARP 0
+#endif
 __device__ __forceinline__ int last_at_or_below(const int* cum, int lo, int hi, int p) {
 #if KBIT_WARP_SEARCH
   const int lane = threadIdx.x & 31;
@@ -413,6 +421,35 @@ __device__ __forceinline__ void place_routed_rows_inline(const int* route_id, in
                                                          int* warp_sums, int M, int experts,
                                                          int p_first, int p_last,
                                                          int rows_per_problem) {
+#if KBIT_PLACE_WARP
+  // (A/B runs) one problem a warp, no block scan: the warp walks the ids 128
+  // at a time, a ballot per 32, until its problem's rows are placed (the
+  // same ranks: pairs of e before i), then one barrier.
+  (void)warp_sums;
+  const int lane = threadIdx.x & 31;
+  for (int p = p_first + (int)(threadIdx.x >> 5); p <= p_last; p += (int)(blockDim.x >> 5)) {
+    const int e = last_at_or_below(tile_cum, 0, experts, p);  // (warp-uniform)
+    const int r0 = (p - tile_cum[e]) * rows_per_problem, r1 = r0 + rows_per_problem;
+    int* const out = route_order + row_start[e];
+    int seen = 0;  // pairs of e before the current 128 ids
+    for (int base = 0; base < M && seen < r1; base += 128) {
+      int id[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = base + 32 * j + lane;
+        id[j] = i < M ? route_id[i] : -1;  // (-1 is no expert)
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned hits = __ballot_sync(0xffffffffu, id[j] == e);
+        const int rank = seen + __popc(hits & ((1u << lane) - 1u));
+        if (id[j] == e && rank >= r0 && rank < r1) out[rank] = base + 32 * j + lane;
+        seen += __popc(hits);
+      }
+    }
+  }
+  __syncthreads();  // the rows placed
+#else
   // An odd slice (KBIT_ROUTE_SLICE_ODD, default 1): the lanes' i-th ids lie
   // an odd number of words apart, in 32 banks; an even one shares banks
   // (8 ids a thread: 8 lanes a bank). The ranks are the same either way.
@@ -439,6 +476,7 @@ __device__ __forceinline__ void place_routed_rows_inline(const int* route_id, in
     }
     __syncthreads();  // warp_sums read before the next scan writes it; the rows placed
   }
+#endif
 }
 #ifndef KBIT_PLACE_INLINE
 #define KBIT_PLACE_INLINE 0
