@@ -50,7 +50,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search-sanitize # memcheck, racecheck of the grouped launches; issue 21's table (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-l2-ahead # the mma.sync grouped launch's tile after next into L2: A/B (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh place-warp    # the placement one problem a warp, ballots: A/B and stamps (~6 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined, one scan: A/B (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
@@ -369,11 +369,11 @@ case "${1:-}" in
     done
     run 100 mma_phases_moe_${tag}_place_warp_512e_${commit}.txt python benchmarks/mma_phases.py --moe 512,10 \
       --layers 2048x512 --m 8 --define KBIT_PLACE_WARP=1 ;;
-  moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined), one scan of problems and rows; each against the default
+  moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined) against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do
       IFS=: read -r e shape ts topk <<< "$c"
-      for d in KBIT_PLACE_INLINE=1 KBIT_ROUTE_ONE_SCAN=1; do
+      for d in KBIT_PLACE_INLINE=1; do  # (KBIT_ROUTE_ONE_SCAN, run at 3e1f602, is removed: results/experiment_route_one_scan_25b98fa.patch)
         run 100 moe_gap_probe_${tag}_${d%%=*}_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
           --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab "$d"
       done

@@ -67,21 +67,18 @@ template <> struct Scale<__half> {
 // ---- CTA-wide exclusive prefix sum --------------------------------------
 // Every thread of the CTA calls it once with its value and gets the sum of the
 // values of the threads before it (in thread order). warp_sums: shared memory
-// for one value per warp. Contains one __syncthreads. V: int, or long long
-// (two 32-bit counts scanned at once, packed high and low, where the low
-// sums cannot carry).
-template <typename V>
-__device__ inline V cta_exclusive_scan(V value, V* warp_sums) {
+// for one int per warp. Contains one __syncthreads.
+__device__ inline int cta_exclusive_scan(int value, int* warp_sums) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  V inclusive = value;
+  int inclusive = value;
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) {
-    const V v = __shfl_up_sync(kFullMask, inclusive, d);
+    const int v = __shfl_up_sync(kFullMask, inclusive, d);
     if (lane >= d) inclusive += v;
   }
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
-  V before = inclusive - value;
+  int before = inclusive - value;
   for (int w = 0; w < warp; ++w) before += warp_sums[w];
   return before;
 }

@@ -298,11 +298,6 @@ constexpr int kDenseWgPrmtMaxTiles = KBIT_DENSE_WG_PRMT_MAX_TILES;
 #ifndef KBIT_ROUTE_SLICE_ODD
 #define KBIT_ROUTE_SLICE_ODD 1
 #endif
-// KBIT_ROUTE_ONE_SCAN=1 (A/B runs): moe_linear's in-launch routing scans the
-// problems and the rows per expert in one 64-bit scan instead of two.
-#ifndef KBIT_ROUTE_ONE_SCAN
-#define KBIT_ROUTE_ONE_SCAN 0
-#endif
 
 // Split K in clusters (the Hopper path): splits per cluster at most (the
 // portable cluster size; _jit.GEMM_MAX_CLUSTER_SPLITS mirrors it).
@@ -659,9 +654,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   int* route_order = route_id + (route_ids ? M : 0);
   const int problem_groups = (row_tiles + warps * RPW - 1) / (warps * RPW);
   __shared__ int warp_sums[GROUPED ? 32 : 1];  // (grouped: cta_exclusive_scan's)
-#if KBIT_ROUTE_ONE_SCAN
-  __shared__ long long warp_sums64[GROUPED ? 32 : 1];
-#endif
   if constexpr (GROUPED) {
     // route_ids (moe_linear up to experts._FUSED_ROUTE_MAX_PAIRS pairs): each
     // CTA counts the pairs per expert itself (integer shared atomics:
@@ -704,23 +696,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       mine = min(mine + problems(rows_of(e)), rem);
       mine_rows += route_ids ? rows_of(e) : 0;
     }
-    int before, rows_before = 0;
-#if KBIT_ROUTE_ONE_SCAN
+    int before = min(cta_exclusive_scan(mine, warp_sums), rem);
+    int rows_before = 0;
     if (route_ids) {
-      // the problems and the rows in one scan, packed high and low (the rows
-      // sum to at most M < 2^32: no carry; the problems to less than 2^31)
-      const long long both = cta_exclusive_scan(((long long)mine << 32) | (unsigned)mine_rows,
-                                                warp_sums64);
-      before = min((int)(both >> 32), rem);
-      rows_before = (int)(unsigned)both;
-    } else
-#endif
-    {
-      before = min(cta_exclusive_scan(mine, warp_sums), rem);
-      if (route_ids) {
-        __syncthreads();  // every thread has read warp_sums
-        rows_before = cta_exclusive_scan(mine_rows, warp_sums);
-      }
+      __syncthreads();  // every thread has read warp_sums
+      rows_before = cta_exclusive_scan(mine_rows, warp_sums);
     }
     for (int e = e0; e < e1; ++e) {
       const int rows = rows_of(e);  // (this thread's own count, read before it is replaced)
@@ -903,6 +883,15 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       raw_next[r] = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
     }
   };
+  // Asks L2 for tile `tile`'s index and scale words (load_tile's addresses;
+  // no registers held).
+  auto prefetch_tile = [&](long long tile) {
+#pragma unroll
+    for (int q = 0; q < K; ++q)
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + (tile * K + q) * 32 + lane));
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const RawScale*>(scales) +
+                                                        tile * 32 + lane));
+  };
   // Activations: the CTA stages A[0 .. 8*M_TILES) x [256 columns of tile kt]
   // in shared memory, double buffered with cp.async (columns past K_dim are
   // zero-filled, rows past M once at the start). Row r's 16-byte chunk c sits
@@ -1028,14 +1017,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       {  // (located again after the call: nothing live across it)
         const Place first = locate(grp, -1);
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-          const long long idx = place_tile0(first, r) + kt;
-#pragma unroll
-          for (int q = 0; q < K; ++q)
-            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + (idx * K + q) * 32 + lane));
-          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const RawScale*>(scales) +
-                                                              idx * 32 + lane));
-        }
+        for (int r = 0; r < RPW; ++r) prefetch_tile(place_tile0(first, r) + kt);
       }
       mma_phase(11);  // the first tile asked of L2, the placement about to start
       place_routed_rows(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
@@ -1703,13 +1685,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       if constexpr (GROUPED && !WG) {
         if (i + 2 < seg_n) {
 #pragma unroll
-          for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-            for (int q = 0; q < K; ++q)
-              asm volatile("prefetch.global.L2 [%0];\n" ::"l"(tiles + ((long long)(idx[r] + 1) * K + q) * 32 + lane));
-            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const RawScale*>(scales) +
-                                                                ((long long)idx[r] + 1) * 32 + lane));
-          }
+          for (int r = 0; r < RPW; ++r) prefetch_tile((long long)idx[r] + 1);
         }
       }
 #endif
