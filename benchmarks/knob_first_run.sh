@@ -48,9 +48,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search   # expert lookups by ballots against the binary search; test_experts (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search-sanitize # memcheck, racecheck of the grouped launches; issue 21's table (~9 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-l2-ahead # the mma.sync grouped launch's tile after next into L2: A/B (~5 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh place-warp    # the placement one problem a warp, ballots: A/B and stamps (~6 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh latency-queue # the latency launches' loads all at entry into a shared-memory queue: A/B, MoE T = 1..4 and dense (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-lookup-ahead # the Hopper path's next-block table loads before the wgmma: A/B dense 64..512 rows and MoE (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
@@ -72,7 +70,6 @@ KSPLIT4=KBIT_LATENCY_KSPLIT=4,_jit.GEMM_LATENCY_KSPLIT=4
 K5_OFF=_jit.GEMM_WG_K5_FULL_ROWS=0
 FOLD=KBIT_CB_FOLD=1
 BASE_OFF=KBIT_TAB_UNIFORM_BASE=0
-QUEUE=KBIT_LATENCY_QUEUE=1,_jit.GEMM_LATENCY_QUEUE=1
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)  # (the ncu steps)
 
 # run LIMIT FILE CMD...: CMD under a time limit, its output to $out/FILE (and the
@@ -355,34 +352,17 @@ case "${1:-}" in
       python benchmarks/sanitize_moe.py --quick --k 4
     run 260 moe_vs_grouped_mm_${tag}_${commit}.txt python benchmarks/moe_vs_grouped_mm.py --t 1 8 32 128 512 \
       --out "$out/moe_vs_grouped_mm_${tag}_${commit}" ;;
-  grouped-l2-ahead)  # the mma.sync grouped launch: the tile after next into L2 (KBIT_GROUPED_L2_AHEAD=1) against the default
+  wg-lookup-ahead)  # gemm_mma.cu KBIT_WG_LOOKUP_AHEAD=1 against the default: dense Hopper path, then grouped
     warm "" gemm_mma
-    for c in 512:2048x512:8,32,128:10 128:2048x1536:8,32:8 128:768x2048:8,32:8; do
+    warm KBIT_WG_LOOKUP_AHEAD=1 gemm_mma
+    run 200 define_ab_${tag}_wg_lookup_ahead_${commit}.txt python benchmarks/define_ab.py \
+      --define KBIT_WG_LOOKUP_AHEAD=1 --layers 4096x28672 14336x4096 2048x768 --m 24 64 128 256 512 \
+      --k 2 4 5 --kernel auto
+    for c in 8:4096x28672:128,512:2 128:2048x1536:128,512:8; do
       IFS=: read -r e shape ts topk <<< "$c"
-      run 120 moe_gap_probe_${tag}_l2_ahead_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
-        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_GROUPED_L2_AHEAD=1
+      run 80 moe_gap_probe_${tag}_wg_lookup_ahead_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_WG_LOOKUP_AHEAD=1
     done ;;
-  place-warp)  # moe_linear's placement one problem a warp with ballots (KBIT_PLACE_WARP=1) against the block scan; stamps with it
-    warm "" gemm_mma
-    for c in 512:2048x512:8,32,128:10 128:2048x1536:8,128:8 128:768x2048:8,128,512:8; do
-      IFS=: read -r e shape ts topk <<< "$c"
-      run 120 moe_gap_probe_${tag}_place_warp_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
-        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_PLACE_WARP=1
-    done
-    run 100 mma_phases_moe_${tag}_place_warp_512e_${commit}.txt python benchmarks/mma_phases.py --moe 512,10 \
-      --layers 2048x512 --m 8 --define KBIT_PLACE_WARP=1 ;;
-  latency-queue)  # gemm_latency.cu KBIT_LATENCY_QUEUE=1 (every unit's loads at entry, cp.async into shared memory) against the default
-    warm "" gemm_latency
-    warm KBIT_LATENCY_QUEUE=1 gemm_latency
-    for c in 128:2048x1536:1,2:8 128:768x2048:1,2:8 512:2048x512:1,2,4:10; do
-      IFS=: read -r e shape ts topk <<< "$c"
-      run 80 moe_gap_probe_${tag}_latency_queue_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
-        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab "$QUEUE"
-    done
-    run 60 moe_gap_probe_${tag}_latency_queue_bf16_${commit}.txt python benchmarks/moe_gap_probe.py \
-      --experts 128 --top-k 8 --shape 2048x1536 --t 1 --dtype bfloat16 --ab "$QUEUE"
-    run 200 define_ab_${tag}_latency_queue_${commit}.txt python benchmarks/define_ab.py --define "$QUEUE" \
-      --layers 768x2048 2048x768 2048x512 4096x4096 4096x6144 --m 1 4 16 --k 2 4 5 --kernel latency ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined) against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do

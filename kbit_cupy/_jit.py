@@ -201,10 +201,6 @@ GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA a
 # whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
 # half or quarter tiles)
 GEMM_LATENCY_KSPLIT = 1
-# gemm_latency.cu KBIT_LATENCY_QUEUE, for A/B runs built with -DKBIT_LATENCY_QUEUE=1:
-# 1, every unit's weight and scale words copied into a shared-memory queue at
-# entry (gemm.latency_geometry adds its bytes)
-GEMM_LATENCY_QUEUE = 0
 # the bit widths whose MoE few-pair launch takes half K tiles (experts._MOE_LATENCY_KSPLIT)
 MOE_LATENCY_KSPLIT_KS = (4,)
 # the bit widths whose dense gemm_latency launch may take half K tiles

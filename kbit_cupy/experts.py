@@ -523,8 +523,7 @@ def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: in
     ksplit = _moe_latency_ksplit(experts.k, experts.absmax.dtype)
     kern = _jit.get_kernel("gemm_latency", experts.k, dtype.name, experts.absmax.dtype.name, 1,
                            *((False, False, ksplit) if ksplit != 1 else ()))
-    warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n, ksplit,
-                                     experts.k, experts.absmax.dtype.itemsize)
+    warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n, ksplit)
     return _launch.Launch(kern, (pairs * rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, experts.codebook, 0, 0, pairs, N, K_dim, kt_n, 0,
                            ids_per_row, E, 0, 0, 1))

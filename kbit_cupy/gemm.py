@@ -1444,8 +1444,7 @@ def latency_ksplit(ksplit: int = 1) -> int:
 
 
 def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
-                     ctas: int, ksplit: int = 1, k: int = 5,
-                     scale_itemsize: int = 2) -> tuple[int, int]:
+                     ctas: int, ksplit: int = 1) -> tuple[int, int]:
     """(warps per CTA, dynamic shared bytes) of a gemm_latency.cu launch of
     ``ctas`` CTAs staging ``rows`` rows of ``k_tiles`` K tiles: one warp per K
     tile (per half or quarter K tile where the variant's KSPLIT ``ksplit`` or
@@ -1453,13 +1452,8 @@ def latency_geometry(kern, rows: int, k_tiles: int, itemsize: int, m_tiles: int,
     GEMM_LATENCY_MAX_WARPS, halved (each warp then takes two or more units)
     while the CTAs would not all be resident at once: one wave, whose loads
     are all issued at the start.
-    ValueError where the rows do not fit the shared memory. ``k`` and
-    ``scale_itemsize`` (the weight's bits and its scales' bytes) size the
-    weight queue of an A/B build with _jit.GEMM_LATENCY_QUEUE (its default
-    sizes are the largest)."""
+    ValueError where the rows do not fit the shared memory."""
     stage = rows * k_tiles * K_PER_TILE * itemsize
-    if _jit.GEMM_LATENCY_QUEUE:  # gemm_latency.cu KBIT_LATENCY_QUEUE: words, then scales
-        stage += k_tiles * (k * 512 + 32 * 4 * scale_itemsize)
     warps = min(_jit.GEMM_LATENCY_MAX_WARPS, k_tiles * latency_ksplit(ksplit))
     while True:
         shared = stage + warps * m_tiles * 32 * 16  # + the warps' partial tiles, fp32
@@ -1600,12 +1594,11 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
         return _jit.get_kernel("gemm_latency", *args)
 
     kern = kernel(1)
-    sizes = (weight.k, weight.absmax.dtype.itemsize)
-    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas, 1, *sizes)
+    warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas)
     ksplit = _dense_latency_ksplit(weight.k, weight.absmax.dtype, half, warps, ctas)
     if ksplit != 1:  # (the whole-tile geometry decides; the half-tile one launches)
         kern = kernel(ksplit)
-        warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas, ksplit, *sizes)
+        warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas, ksplit)
     return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
                            int(half), 0, 1))

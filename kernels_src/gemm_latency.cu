@@ -83,56 +83,6 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 #define KBIT_LATENCY_KSPLIT 1
 #endif
 
-// KBIT_LATENCY_QUEUE (A/B runs, with _jit.GEMM_LATENCY_QUEUE the same on the
-// host, which sizes the shared memory: gemm.latency_geometry): 1, each warp
-// issues all of its units' weight and scale loads at entry as cp.async copies
-// into a queue in shared memory (the CTA's whole row tile: k_tiles x (K x 512
-// + 32 x sizeof(RawScale)) bytes after the partial tiles), one copy group a
-// unit, and reads unit j back after waiting for its group, instead of one
-// unit ahead in registers. For launches whose warps take several units (MoE
-// at T = 1: four at 2048 -> 1536), where each later unit waits a DRAM round
-// trip of its own. Each lane reads back only what it copied itself. Same
-// bits. Not with CLUSTER.
-#ifndef KBIT_LATENCY_QUEUE
-#define KBIT_LATENCY_QUEUE 0
-#endif
-
-// One 16-, 8- or 4-byte cp.async of a weight word or scale word into shared
-// memory, with the weight loads' L2 policy (KBIT_WEIGHT_L2_HINT).
-template <typename V>
-__device__ __forceinline__ void cp_async_weight(V* dst_smem, const V* src, unsigned long long policy) {
-  static_assert(sizeof(V) == 4 || sizeof(V) == 8 || sizeof(V) == 16, "cp.async sizes: 4, 8, 16");
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(dst_smem);
-#if KBIT_WEIGHT_L2_HINT
-  if constexpr (sizeof(V) == 16)
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
-  else
-    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-                 "n"((int)sizeof(V)), "l"(policy));
-#else
-  if constexpr (sizeof(V) == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"((int)sizeof(V)));
-#endif
-}
-
-// cp.async.wait_group with a count known only at run time: waits until at
-// most min(n, 7) of the thread's copy groups are pending (more than asked
-// where n > 7: safe, less overlap).
-__device__ __forceinline__ void cp_async_wait_upto(int n) {
-  switch (n) {
-    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
-  }
-}
-
 // Phase stamps, for benchmarks/latency_phases.py only (it builds this file with
 // -DKBIT_LATENCY_PHASES; otherwise they compile to nothing): lane 0 of each warp
 // of the first kPhaseCtas CTAs writes the global timer (ns) and its SM's clock
@@ -319,55 +269,13 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   using RawScale = typename ScaleWord<TScale>::Raw;
   unsigned w_s[2][4 * K];
   RawScale raw_s[2];
-  // kQueue (KBIT_LATENCY_QUEUE): the queue after the partial tiles, words of
-  // local tile i, row q at [(i K + q) 32 + lane], then the scales at [i 32 + lane].
-  constexpr bool kQueue = !CLUSTER && KBIT_LATENCY_QUEUE;
-  extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
-  uint4* const queue = x_stage + rows * local_tiles * 32 + warps * M_TILES * 32;
-  RawScale* const queue_s = reinterpret_cast<RawScale*>(queue + k_tiles * K * 32);
-  // Unit u's rows q of its tile: [q_begin, q_end) (the rows load_unit reads).
-  auto unit_rows = [&](int u, int& q_begin, int& q_end) {
-    const int part = u % kSplit;
-    if constexpr (kSplit == 1) {
-      q_begin = 0;
-      q_end = K;
-    } else if constexpr (kSplit == 2) {
-      q_begin = (2 * K * part) >> 2;
-      q_end = q_begin + (2 * K + 2 * (K & 1) + 3) / 4;
-    } else {
-      constexpr int kMaxOff = K % 4 == 0 ? 0 : K % 2 == 0 ? 2 : 3;
-      q_begin = (K * part) >> 2;
-      q_end = min(q_begin + (K + kMaxOff + 3) / 4, K);
-    }
-  };
-  // kQueue: unit u's rows and scales copied into the queue, one copy group.
-  auto queue_unit = [&](int u) {
-    const int i = u / kSplit;
-    const long long tile = tile0 + (long long)rt * k_tiles + kt_of(i);
-    int q_begin, q_end;
-    unit_rows(u, q_begin, q_end);
-    for (int q = q_begin; q < q_end; ++q)
-      cp_async_weight(queue + (i * K + q) * 32 + lane, tiles + (tile * K + q) * 32 + lane, l2_policy);
-    cp_async_weight(queue_s + i * 32 + lane, reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane,
-                    l2_policy);
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-  // from_queue (a constant at every call): unit u's words and scales from the
-  // queue instead of global memory.
-  auto load_unit = [&](bool from_queue, int u, unsigned (&w)[4 * K], RawScale& raw) {
+  auto load_unit = [&](int u, unsigned (&w)[4 * K], RawScale& raw) {
     const int kt = kt_of(u / kSplit);  // (first: the order of the PTX before units)
     const long long tile = tile0 + (long long)rt * k_tiles + kt;
-    const int i = u / kSplit;
-    // word q0 + q of the tile (row q0 + q of its 16-byte rows; the sum in this
-    // order, as the PTX had it before the queue)
-    auto word_at = [&](int q0, int q) -> uint4 {
-      if (kQueue && from_queue) return queue[(i * K + q0 + q) * 32 + lane];
-      return ldg_weight(tiles + (tile * K + q0 + q) * 32 + lane, l2_policy);
-    };
     if constexpr (kSplit == 1) {
 #pragma unroll
       for (int q = 0; q < K; ++q) {
-        const uint4 v = word_at(0, q);
+        const uint4 v = ldg_weight(tiles + (tile * K + q) * 32 + lane, l2_policy);
         w[4 * q] = v.x;
         w[4 * q + 1] = v.y;
         w[4 * q + 2] = v.z;
@@ -383,7 +291,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       unsigned buf[4 * kLoads];
 #pragma unroll
       for (int q = 0; q < kLoads; ++q) {
-        const uint4 v = word_at(q0, q);
+        const uint4 v = ldg_weight(tiles + (tile * K + q0 + q) * 32 + lane, l2_policy);
         buf[4 * q] = v.x;
         buf[4 * q + 1] = v.y;
         buf[4 * q + 2] = v.z;
@@ -406,7 +314,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
 #pragma unroll
       for (int q = 0; q < kLoads; ++q) {
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (q0 + q < K) v = word_at(q0, q);
+        if (q0 + q < K) v = ldg_weight(tiles + (tile * K + q0 + q) * 32 + lane, l2_policy);
         buf[4 * q] = v.x;
         buf[4 * q + 1] = v.y;
         buf[4 * q + 2] = v.z;
@@ -424,10 +332,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
         w[i] = v;
       }
     }
-    if (kQueue && from_queue)
-      raw = queue_s[i * 32 + lane];
-    else
-      raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
+    raw = ldg_weight(reinterpret_cast<const RawScale*>(scales) + tile * 32 + lane, l2_policy);
   };
   // The codebook's entries (lane j: entry j mod 2^K; k = 2 also entry (j / 4) mod 4)
   // are loaded before the weights. Loaded after the staging, as they were,
@@ -438,15 +343,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // 1, MoE T = 1 within 1.5% (H100, define_ab_h100_latency_a_first_2cc6094.txt),
   // though the stamps show A staged 0.2-0.5 us after the first tile arrived.
   const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
-  // kQueue: the first unit's copies before A's, the later units' after them
-  // (copy groups complete in order: the staging's wait then waits for A and
-  // the first unit only).
-  const int my_units = kw < warp_units ? (warp_units - kw + wk - 1) / wk : 0;
-  if constexpr (kQueue) {
-    if (my_units > 0) queue_unit(kw);
-  } else if (kw < warp_units) {
-    load_unit(false, kw, w_s[0], raw_s[0]);
-  }
+  if (kw < warp_units) load_unit(kw, w_s[0], raw_s[0]);
 
   // [rows][stride], then the partial tiles (below); CLUSTER: the partial tiles
   // first, at the same address in every CTA of the cluster (their staged
@@ -456,6 +353,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // off one and made moe_linear's T = 1 launches 1.23-1.34x slower on the H200
   // with the same SASS (moe_gap_probe_h200_smem_pad_*.txt), the dense launches
   // up to 1.45x on the H100 (define_ab_h100_smem_align_*.txt).
+  extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
   uint4* const stage = CLUSTER ? x_stage + warps * M_TILES * 32 : x_stage;
   if constexpr (CLUSTER) {
     // A CTA's rows are short (often one K tile: 32 chunks) and many (up to
@@ -483,8 +381,6 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     }
   }
   asm volatile("cp.async.commit_group;\n" ::);
-  if constexpr (kQueue)
-    for (int j = 1; j < my_units; ++j) queue_unit(kw + j * wk);
   __shared__ uint4 zero_row[32];  // what the ldmatrix lanes of rows past M read
   if (threadIdx.x < 32) zero_row[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
 #if KBIT_LATENCY_SMEM_PAD  // A/B runs only: this many bytes (a multiple of 16) more static shared memory
@@ -521,16 +417,14 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     }
   }
   auto stamp_loads = [&]() {  // (stamped builds only)
-    if (kw < warp_units)  // first tile in (kQueue: its copy group, no word to wait on)
-      latency_phase_after(1, kQueue ? 0u : w_s[0][0] ^ w_s[0][4 * K / kSplit - 1]);
-    if (kw < warp_units) latency_phase_after(6, kQueue ? 0u : reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
+    if (kw < warp_units) latency_phase_after(1, w_s[0][0] ^ w_s[0][4 * K / kSplit - 1]);  // first tile in
+    if (kw < warp_units) latency_phase_after(6, reinterpret_cast<const unsigned&>(raw_s[0]));  // its scales
     latency_phase_after(7, cb);  // the codebook
   };
 #ifdef KBIT_LATENCY_PHASES_LOADS_FIRST  // the loads' own arrival, before the staging's wait
   stamp_loads();
 #endif
-  if constexpr (kQueue) cp_async_wait_upto(max(my_units - 1, 0));  // A's group and the first unit's
-  else asm volatile("cp.async.wait_group 0;\n" ::);
+  asm volatile("cp.async.wait_group 0;\n" ::);
   __syncthreads();  // the staged rows, the zero row and the tables
   latency_phase(2);  // staging done
 #ifndef KBIT_LATENCY_PHASES_LOADS_FIRST
@@ -564,7 +458,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // 8 / kSplit part ..).
   auto tile = [&](bool kHalf, int u, const unsigned (&w_in)[4 * K], const RawScale& raw,
                   unsigned (&w_next)[4 * K], RawScale& raw_next) {
-    if (!kQueue && u + wk < warp_units) load_unit(false, u + wk, w_next, raw_next);
+    if (u + wk < warp_units) load_unit(u + wk, w_next, raw_next);
     const int i = u / kSplit, part = u % kSplit;
     unsigned w[4 * K];
     if (kHalf) {  // a constant where inlined (all_tiles)
@@ -650,14 +544,6 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
     }
   };
   auto all_tiles = [&](bool kHalf) {
-    if constexpr (kQueue) {  // unit j of the warp once its copy group has landed
-      for (int j = 0; j < my_units; ++j) {
-        if (j > 0) cp_async_wait_upto(my_units - 1 - j);
-        load_unit(true, kw + j * wk, w_s[0], raw_s[0]);
-        tile(kHalf, kw + j * wk, w_s[0], raw_s[0], w_s[1], raw_s[1]);
-      }
-      return;
-    }
     for (int u = kw; u < warp_units; u += 2 * wk) {
       tile(kHalf, u, w_s[0], raw_s[0], w_s[1], raw_s[1]);
       if (u + wk < warp_units) tile(kHalf, u + wk, w_s[1], raw_s[1], w_s[0], raw_s[0]);

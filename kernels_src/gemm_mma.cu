@@ -361,24 +361,13 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 #ifndef KBIT_WARP_SEARCH
 #define KBIT_WARP_SEARCH 1
 #endif
-// KBIT_GROUPED_L2_AHEAD=1 (A/B runs, not measured yet): the mma.sync grouped
-// launch prefetches the tile after next into L2 (see its use). At 512 experts
-// and T = 8 (264 CTAs of 8 warps, 8-9 K tiles a warp) the main loop takes
-// about 11.7 us from the first tile's arrival to the last multiply on the
-// H200 (mma_phases_moe_h200_512e_3e1f602.txt): about 1.3 us a tile, a loaded
-// memory round trip, with 2 KB a warp in flight. The same prefetch lost on
-// the dense large layers (bandwidth-bound) and on the grouped wgmma launch
-// (H100, experiment_grouped_wg_prefetch_9c3d3e1.patch).
-#ifndef KBIT_GROUPED_L2_AHEAD
-#define KBIT_GROUPED_L2_AHEAD 0
-#endif
-// KBIT_PLACE_WARP=1 (A/B runs, not measured yet): moe_linear's placement
-// one problem a warp with ballots over the ids instead of a block-wide count
-// and scan a problem (place_routed_rows_inline). ncu's stall samples at 512
-// experts, T = 8 (8539e96) put about 1.6 us of each warp's time in the
-// placement, a third of it the binary search the warp search replaced.
-#ifndef KBIT_PLACE_WARP
-#define KBIT_PLACE_WARP 0
+// KBIT_WG_LOOKUP_AHEAD=1 (A/B runs; default 0): on the Hopper path (WG) each
+// block's table lookups are issued during the block before, ahead of its
+// wgmma wait and issue, whose asm otherwise keeps them after it. ncu at 128
+// rows on 4096x28672 (H200, 72a679a) puts a fifth of the launch's stall
+// samples on the HMUL2 after those lookups, at three warps a scheduler.
+#ifndef KBIT_WG_LOOKUP_AHEAD
+#define KBIT_WG_LOOKUP_AHEAD 0
 #endif
 __device__ __forceinline__ int last_at_or_below(const int* cum, int lo, int hi, int p) {
 #if KBIT_WARP_SEARCH
@@ -416,35 +405,6 @@ __device__ __forceinline__ void place_routed_rows_inline(const int* route_id, in
                                                          int* warp_sums, int M, int experts,
                                                          int p_first, int p_last,
                                                          int rows_per_problem) {
-#if KBIT_PLACE_WARP
-  // (A/B runs) one problem a warp, no block scan: the warp walks the ids 128
-  // at a time, a ballot per 32, until its problem's rows are placed (the
-  // same ranks: pairs of e before i), then one barrier.
-  (void)warp_sums;
-  const int lane = threadIdx.x & 31;
-  for (int p = p_first + (int)(threadIdx.x >> 5); p <= p_last; p += (int)(blockDim.x >> 5)) {
-    const int e = last_at_or_below(tile_cum, 0, experts, p);  // (warp-uniform)
-    const int r0 = (p - tile_cum[e]) * rows_per_problem, r1 = r0 + rows_per_problem;
-    int* const out = route_order + row_start[e];
-    int seen = 0;  // pairs of e before the current 128 ids
-    for (int base = 0; base < M && seen < r1; base += 128) {
-      int id[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = base + 32 * j + lane;
-        id[j] = i < M ? route_id[i] : -1;  // (-1 is no expert)
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const unsigned hits = __ballot_sync(0xffffffffu, id[j] == e);
-        const int rank = seen + __popc(hits & ((1u << lane) - 1u));
-        if (id[j] == e && rank >= r0 && rank < r1) out[rank] = base + 32 * j + lane;
-        seen += __popc(hits);
-      }
-    }
-  }
-  __syncthreads();  // the rows placed
-#else
   // An odd slice (KBIT_ROUTE_SLICE_ODD, default 1): the lanes' i-th ids lie
   // an odd number of words apart, in 32 banks; an even one shares banks
   // (8 ids a thread: 8 lanes a bank). The ranks are the same either way.
@@ -471,7 +431,6 @@ __device__ __forceinline__ void place_routed_rows_inline(const int* route_id, in
     }
     __syncthreads();  // warp_sums read before the next scan writes it; the rows placed
   }
-#endif
 }
 #ifndef KBIT_PLACE_INLINE
 #define KBIT_PLACE_INLINE 0
@@ -1251,6 +1210,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // 4096x6144 within 0.3%. Not kept for k = 2 (64 registers: within 2%), k = 3
   // (-5..+6% by layer) and k = 5 (slower), nor for fp16 scales (spills).
   constexpr bool kScaleAfter = kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
+  constexpr bool kLookupAhead = WG && KBIT_WG_LOOKUP_AHEAD;
   // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile
   // row_tile(grp, r), summed over the current segment's K tiles.
   float acc[RPW][M_TILES][4];
@@ -1677,20 +1637,35 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
       for (int r = 0; r < RPW; ++r) idx[r] = (in_seg ? base[r] : next_base[r]) + next_kt;
       load_tile(idx, w_next, raw_next);
-#if KBIT_GROUPED_L2_AHEAD
-      // (A/B runs) the mma.sync grouped launch also asks L2 for the tile after
-      // next within the segment, so that its load a tile later finds it there:
-      // with one tile in flight a warp, the few-row launch's loop waits about
-      // a memory round trip a tile (see KBIT_GROUPED_L2_AHEAD above).
-      if constexpr (GROUPED && !WG) {
-        if (i + 2 < seg_n) {
-#pragma unroll
-          for (int r = 0; r < RPW; ++r) prefetch_tile((long long)idx[r] + 1);
-        }
-      }
-#endif
     }
 
+    // The unscaled pairs of block jj (its 8 per row half) into out.
+    auto lookup_block = [&](int jj, unsigned (&out)[RPW][2][4]) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint2 quad = make_uint2(0u, 0u);
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            unsigned pair;
+            if constexpr (kQuadTable) {  // pairs 2q, 2q + 1 of row half h: byte 2h + q of word jj
+              if ((p & 1) == 0) {
+                quad = tab_lookup<uint2>(prmt_base, lane4 << 1, w[r][jj], 2 * h + (p >> 1));
+              }
+              pair = (p & 1) ? quad.y : quad.x;
+            } else if constexpr (kPrmtTable) {  // pair p of word 2jj + h: its byte p
+              pair = tab_lookup<unsigned>(prmt_base, lane4, w[r][2 * jj + h], p);
+            } else {
+              pair = weight_pair<K, kPairTable>(w[r], 16 * jj + 8 * h + 2 * p, cb, cb_pair, pair_base,
+                                                lane4);
+            }
+            out[r][h][p] = pair;
+          }
+        }
+      }
+    };
+    unsigned pr_ahead[RPW][2][4];  // kLookupAhead: the next block's pairs
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // Slab staging: slab s = 4 (tiles_done + i) + j / 2 of the CTA. The wait
@@ -1706,6 +1681,33 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       }
       // Weights of block j: 8 per row half, decoded to T, times the block's scale.
       unsigned wp[RPW][2][4];  // [r][h][pair p]: columns (8p + 2t, +1) of row g + 8h
+      if constexpr (kLookupAhead) {
+        // Block j's pairs were looked up during block j - 1 (below; block 0's here).
+        unsigned pr[RPW][2][4];  // [r][h][pair p], unscaled
+        if (j > 0) {
+#pragma unroll
+          for (int r = 0; r < RPW; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int p = 0; p < 4; ++p) pr[r][h][p] = pr_ahead[r][h][p];
+        } else {
+          lookup_block(j, pr);
+        }
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const unsigned sp = kScaleAfter ? 0u :
+                block_scale_pair<T, TScale, kAluScale, kCbFold>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) wp[r][h][p] = kScaleAfter ? pr[r][h][p] : Mma<T>::mul2(pr[r][h][p], sp);
+          }
+        }
+        // Block j + 1's table loads in flight across this block's multiply
+        // (the asm of the wgmma wait and issue keeps them after it otherwise).
+        if (j < 7) lookup_block(j + 1, pr_ahead);
+      } else {
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
 #pragma unroll
@@ -1732,6 +1734,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           }
         }
       }
+      }  // kLookupAhead
       if constexpr (WG) {
         // Both 16-wide slabs of block j in one commit group; they run while
         // the next block decodes. Slab s is k16 step 2j + s of the tile: 64-column
