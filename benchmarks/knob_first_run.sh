@@ -48,7 +48,6 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search   # expert lookups by ballots against the binary search; test_experts (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search-sanitize # memcheck, racecheck of the grouped launches; issue 21's table (~9 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh wg-lookup-ahead # the Hopper path's next-block table loads before the wgmma: A/B dense 64..512 rows and MoE (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
@@ -352,17 +351,6 @@ case "${1:-}" in
       python benchmarks/sanitize_moe.py --quick --k 4
     run 260 moe_vs_grouped_mm_${tag}_${commit}.txt python benchmarks/moe_vs_grouped_mm.py --t 1 8 32 128 512 \
       --out "$out/moe_vs_grouped_mm_${tag}_${commit}" ;;
-  wg-lookup-ahead)  # gemm_mma.cu KBIT_WG_LOOKUP_AHEAD=1 against the default: dense Hopper path, then grouped
-    warm "" gemm_mma
-    warm KBIT_WG_LOOKUP_AHEAD=1 gemm_mma
-    run 200 define_ab_${tag}_wg_lookup_ahead_${commit}.txt python benchmarks/define_ab.py \
-      --define KBIT_WG_LOOKUP_AHEAD=1 --layers 4096x28672 14336x4096 2048x768 --m 24 64 128 256 512 \
-      --k 2 4 5 --kernel auto
-    for c in 8:4096x28672:128,512:2 128:2048x1536:128,512:8; do
-      IFS=: read -r e shape ts topk <<< "$c"
-      run 80 moe_gap_probe_${tag}_wg_lookup_ahead_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
-        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_WG_LOOKUP_AHEAD=1
-    done ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined) against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do

@@ -361,14 +361,6 @@ constexpr int kLaunchMinCtas = WARPS == 16 ? 1 : WARPS == 8 ? 2 : kMinCtas<K, SC
 #ifndef KBIT_WARP_SEARCH
 #define KBIT_WARP_SEARCH 1
 #endif
-// KBIT_WG_LOOKUP_AHEAD=1 (A/B runs; default 0): on the Hopper path (WG) each
-// block's table lookups are issued during the block before, ahead of its
-// wgmma wait and issue, whose asm otherwise keeps them after it. ncu at 128
-// rows on 4096x28672 (H200, 72a679a) puts a fifth of the launch's stall
-// samples on the HMUL2 after those lookups, at three warps a scheduler.
-#ifndef KBIT_WG_LOOKUP_AHEAD
-#define KBIT_WG_LOOKUP_AHEAD 0
-#endif
 __device__ __forceinline__ int last_at_or_below(const int* cum, int lo, int hi, int p) {
 #if KBIT_WARP_SEARCH
   const int lane = threadIdx.x & 31;
@@ -1210,7 +1202,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // 4096x6144 within 0.3%. Not kept for k = 2 (64 registers: within 2%), k = 3
   // (-5..+6% by layer) and k = 5 (slower), nor for fp16 scales (spills).
   constexpr bool kScaleAfter = kScaleAfterOf<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>;
-  constexpr bool kLookupAhead = WG && KBIT_WG_LOOKUP_AHEAD;
   // acc[r][mt]: (row g, m 8mt + 2t, +1) and (row g + 8, same m) of row tile
   // row_tile(grp, r), summed over the current segment's K tiles.
   float acc[RPW][M_TILES][4];
@@ -1639,33 +1630,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       load_tile(idx, w_next, raw_next);
     }
 
-    // The unscaled pairs of block jj (its 8 per row half) into out.
-    auto lookup_block = [&](int jj, unsigned (&out)[RPW][2][4]) {
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint2 quad = make_uint2(0u, 0u);
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            unsigned pair;
-            if constexpr (kQuadTable) {  // pairs 2q, 2q + 1 of row half h: byte 2h + q of word jj
-              if ((p & 1) == 0) {
-                quad = tab_lookup<uint2>(prmt_base, lane4 << 1, w[r][jj], 2 * h + (p >> 1));
-              }
-              pair = (p & 1) ? quad.y : quad.x;
-            } else if constexpr (kPrmtTable) {  // pair p of word 2jj + h: its byte p
-              pair = tab_lookup<unsigned>(prmt_base, lane4, w[r][2 * jj + h], p);
-            } else {
-              pair = weight_pair<K, kPairTable>(w[r], 16 * jj + 8 * h + 2 * p, cb, cb_pair, pair_base,
-                                                lane4);
-            }
-            out[r][h][p] = pair;
-          }
-        }
-      }
-    };
-    unsigned pr_ahead[RPW][2][4];  // kLookupAhead: the next block's pairs
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // Slab staging: slab s = 4 (tiles_done + i) + j / 2 of the CTA. The wait
@@ -1681,33 +1645,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       }
       // Weights of block j: 8 per row half, decoded to T, times the block's scale.
       unsigned wp[RPW][2][4];  // [r][h][pair p]: columns (8p + 2t, +1) of row g + 8h
-      if constexpr (kLookupAhead) {
-        // Block j's pairs were looked up during block j - 1 (below; block 0's here).
-        unsigned pr[RPW][2][4];  // [r][h][pair p], unscaled
-        if (j > 0) {
-#pragma unroll
-          for (int r = 0; r < RPW; ++r)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int p = 0; p < 4; ++p) pr[r][h][p] = pr_ahead[r][h][p];
-        } else {
-          lookup_block(j, pr);
-        }
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const unsigned sp = kScaleAfter ? 0u :
-                block_scale_pair<T, TScale, kAluScale, kCbFold>(h ? sw_hi[r] : sw_lo[r], j, scale_pair);
-#pragma unroll
-            for (int p = 0; p < 4; ++p) wp[r][h][p] = kScaleAfter ? pr[r][h][p] : Mma<T>::mul2(pr[r][h][p], sp);
-          }
-        }
-        // Block j + 1's table loads in flight across this block's multiply
-        // (the asm of the wgmma wait and issue keeps them after it otherwise).
-        if (j < 7) lookup_block(j + 1, pr_ahead);
-      } else {
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
 #pragma unroll
@@ -1734,7 +1671,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
           }
         }
       }
-      }  // kLookupAhead
       if constexpr (WG) {
         // Both 16-wide slabs of block j in one commit group; they run while
         // the next block decodes. Slab s is k16 step 2j + s of the tile: 64-column
