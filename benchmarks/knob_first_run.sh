@@ -48,7 +48,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search   # expert lookups by ballots against the binary search; test_experts (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search-sanitize # memcheck, racecheck of the grouped launches; issue 21's table (~9 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh routed-a-first # few-pair launch: A's row and the codebook before the routed id: A/B, MoE T = 1..4 and dense (~4 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh routed-a-first # few-pair launch: A's row and the codebook while the routed id loads: A/B, MoE T = 1..4 and dense (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)

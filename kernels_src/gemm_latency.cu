@@ -83,10 +83,10 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 #define KBIT_LATENCY_KSPLIT 1
 #endif
 
-// KBIT_ROUTED_A_FIRST=1 (A/B runs; default 0): the few-pair and few-rows
-// launches (route_ids or group_offsets) copy their row of A and load the
-// codebook before the routed id (or the offsets' search), whose round trip
-// every later load waits for: their address does not depend on the expert.
+// KBIT_ROUTED_A_FIRST=1 (A/B runs; default 0): the few-pair launch
+// (route_ids) copies its row of A and loads the codebook while the routed
+// id's round trip, which every weight load waits for, is in flight: their
+// addresses do not depend on the expert.
 // H200 stamps of moe_linear at T = 1 (72a679a): A staged 2.6 us and the
 // codebook 2.7 us after entry, next to the first weights at 2.6-2.9 us.
 #ifndef KBIT_ROUTED_A_FIRST
@@ -238,12 +238,16 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
   long long tile0 = 0;             // the first tile of W (of the pair's expert)
 #if KBIT_ROUTED_A_FIRST
-  // (A/B runs) the pair's row of A into row 0 of the stage (as the staging
-  // below copies it) and the codebook's entries, before the expert is known.
-  const bool a_first = !CLUSTER && (route_ids || group_offsets);
+  // (A/B runs) the routed id's load issued first, then the pair's row of A
+  // into row 0 of the stage (as the staging below copies it) and the
+  // codebook's entries, all before the id is used. Routed ids only: before the
+  // offsets' search (group_offsets) it made kbit_grouped_gemm 3-4% slower.
+  const bool a_first = !CLUSTER && route_ids;
   float cb_lane_early = 0.0f, cb_hi_early = 0.0f;
+  int e_early = 0;
   if (a_first) {
     const int pair = (int)blockIdx.x / ((N + 15) >> 4);
+    e_early = __ldg(route_ids + pair);
     const T* a_row = A + (long long)(pair / ids_per_row) * K_dim;
     extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
     for (int c = threadIdx.x; c < k_tiles * 32; c += blockDim.x) {
@@ -260,7 +264,12 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   if (route_ids || group_offsets) {
     const int row_tiles = (N + 15) >> 4, pair = (int)blockIdx.x / row_tiles;
     rt = (int)blockIdx.x - pair * row_tiles;
+#if KBIT_ROUTED_A_FIRST
+    const int e = a_first ? e_early
+                          : route_ids ? __ldg(route_ids + pair) : expert_of_row(group_offsets, experts, pair, M);
+#else
     const int e = route_ids ? __ldg(route_ids + pair) : expert_of_row(group_offsets, experts, pair, M);
+#endif
     if (e < 0 || e >= experts) {
 #if KBIT_ROUTED_A_FIRST
       asm volatile("cp.async.wait_all;\n" ::);  // (no copy outlives its CTA)
