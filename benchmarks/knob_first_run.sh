@@ -48,7 +48,6 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh early-tile-k  # the first tile early at k = 2, 3, 5 and bf16 against off (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search   # expert lookups by ballots against the binary search; test_experts (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh warp-search-sanitize # memcheck, racecheck of the grouped launches; issue 21's table (~9 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh routed-a-first # few-pair launch: A's row and the codebook while the routed id loads: A/B, MoE T = 1..4 and dense (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
@@ -352,18 +351,6 @@ case "${1:-}" in
       python benchmarks/sanitize_moe.py --quick --k 4
     run 260 moe_vs_grouped_mm_${tag}_${commit}.txt python benchmarks/moe_vs_grouped_mm.py --t 1 8 32 128 512 \
       --out "$out/moe_vs_grouped_mm_${tag}_${commit}" ;;
-  routed-a-first)  # gemm_latency.cu KBIT_ROUTED_A_FIRST=1 against the default (the bits must be the same)
-    warm "" gemm_latency
-    warm KBIT_ROUTED_A_FIRST=1 gemm_latency
-    for c in 128:2048x1536:1,2:8 128:768x2048:1,2:8 512:2048x512:1,2,4:10; do
-      IFS=: read -r e shape ts topk <<< "$c"
-      run 80 moe_gap_probe_${tag}_routed_a_first_${e}_${shape}_${commit}.txt python benchmarks/moe_gap_probe.py \
-        --experts "$e" --top-k "$topk" --shape "$shape" --t ${ts//,/ } --ab KBIT_ROUTED_A_FIRST=1
-    done
-    run 60 moe_gap_probe_${tag}_routed_a_first_bf16_${commit}.txt python benchmarks/moe_gap_probe.py \
-      --experts 128 --top-k 8 --shape 2048x1536 --t 1 --dtype bfloat16 --ab KBIT_ROUTED_A_FIRST=1
-    run 100 define_ab_${tag}_routed_a_first_${commit}.txt python benchmarks/define_ab.py --define KBIT_ROUTED_A_FIRST=1 \
-      --layers 768x2048 2048x768 4096x4096 --m 1 4 --k 2 4 --kernel latency ;;
   moe-setup-ab)  # moe_linear's in-launch routing: the placement inlined (k = 4; at k = 5 two variants spill 12 bytes inlined) against the default
     warm "" gemm_mma
     for c in 512:2048x512:8,128:10 128:2048x1536:128:8 128:768x2048:128,512:8; do

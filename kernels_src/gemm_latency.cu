@@ -83,16 +83,6 @@ constexpr int kLatencyMaxWarps = 16;  // _jit.py mirrors it (GEMM_LATENCY_MAX_WA
 #define KBIT_LATENCY_KSPLIT 1
 #endif
 
-// KBIT_ROUTED_A_FIRST=1 (A/B runs; default 0): the few-pair launch
-// (route_ids) copies its row of A and loads the codebook while the routed
-// id's round trip, which every weight load waits for, is in flight: their
-// addresses do not depend on the expert.
-// H200 stamps of moe_linear at T = 1 (72a679a): A staged 2.6 us and the
-// codebook 2.7 us after entry, next to the first weights at 2.6-2.9 us.
-#ifndef KBIT_ROUTED_A_FIRST
-#define KBIT_ROUTED_A_FIRST 0
-#endif
-
 // Phase stamps, for benchmarks/latency_phases.py only (it builds this file with
 // -DKBIT_LATENCY_PHASES; otherwise they compile to nothing): lane 0 of each warp
 // of the first kPhaseCtas CTAs writes the global timer (ns) and its SM's clock
@@ -237,45 +227,11 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   if (half_tiles) rt = blockIdx.x >> 1;
   int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
   long long tile0 = 0;             // the first tile of W (of the pair's expert)
-#if KBIT_ROUTED_A_FIRST
-  // (A/B runs) the routed id's load issued first, then the pair's row of A
-  // into row 0 of the stage (as the staging below copies it) and the
-  // codebook's entries, all before the id is used. Routed ids only: before the
-  // offsets' search (group_offsets) it made kbit_grouped_gemm 3-4% slower.
-  const bool a_first = !CLUSTER && route_ids;
-  float cb_lane_early = 0.0f, cb_hi_early = 0.0f;
-  int e_early = 0;
-  if (a_first) {
-    const int pair = (int)blockIdx.x / ((N + 15) >> 4);
-    e_early = __ldg(route_ids + pair);
-    const T* a_row = A + (long long)(pair / ids_per_row) * K_dim;
-    extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
-    for (int c = threadIdx.x; c < k_tiles * 32; c += blockDim.x) {
-      const bool valid = 8 * c < K_dim;
-      const unsigned dst = (unsigned)__cvta_generic_to_shared(x_stage + c);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? a_row + 8 * c : a_row),
-                   "r"(valid ? 16 : 0));
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-    cb_lane_early = codebook[lane & ((1 << K) - 1)];
-    cb_hi_early = codebook[(lane >> 2) & 3];
-  }
-#endif
   if (route_ids || group_offsets) {
     const int row_tiles = (N + 15) >> 4, pair = (int)blockIdx.x / row_tiles;
     rt = (int)blockIdx.x - pair * row_tiles;
-#if KBIT_ROUTED_A_FIRST
-    const int e = a_first ? e_early
-                          : route_ids ? __ldg(route_ids + pair) : expert_of_row(group_offsets, experts, pair, M);
-#else
     const int e = route_ids ? __ldg(route_ids + pair) : expert_of_row(group_offsets, experts, pair, M);
-#endif
-    if (e < 0 || e >= experts) {
-#if KBIT_ROUTED_A_FIRST
-      asm volatile("cp.async.wait_all;\n" ::);  // (no copy outlives its CTA)
-#endif
-      return;  // (the whole CTA, before any other barrier)
-    }
+    if (e < 0 || e >= experts) return;  // (the whole CTA, before any other barrier)
     tile0 = (long long)e * row_tiles * k_tiles;
     A += (long long)(pair / ids_per_row) * K_dim;
     C += (long long)pair * N;
@@ -386,12 +342,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // it: 0.88-0.98x on the small and mid layers at M = 4..16, 0.97-1.02x at M =
   // 1, MoE T = 1 within 1.5% (H100, define_ab_h100_latency_a_first_2cc6094.txt),
   // though the stamps show A staged 0.2-0.5 us after the first tile arrived.
-#if KBIT_ROUTED_A_FIRST
-  const float cb_lane = a_first ? cb_lane_early : codebook[lane & ((1 << K) - 1)];
-  const float cb_hi = a_first ? cb_hi_early : codebook[(lane >> 2) & 3];
-#else
   const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
-#endif
   if (kw < warp_units) load_unit(kw, w_s[0], raw_s[0]);
 
   // [rows][stride], then the partial tiles (below); CLUSTER: the partial tiles
@@ -418,9 +369,6 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
                    "r"(valid ? 16 : 0));
     }
   } else {
-#if KBIT_ROUTED_A_FIRST
-    if (!a_first)
-#endif
     for (int row = 0; row < rows; ++row) {
       for (int c = threadIdx.x; c < stride; c += blockDim.x) {
         const bool valid = 8 * c < K_dim;
