@@ -979,13 +979,17 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   }
 #endif
   Place cur = locate(grp, -1), nxt = cur;  // the current segment's place, the next one's
+  auto load_first_tile = [&]() {  // the segment's first weight tile into set 0
+    int idx[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+      idx[r] = (GROUPED ? place_tile0(cur, r) : row_tile(grp, r) * k_tiles) + kt;
+    load_tile(idx, w_s[0], raw_s[0]);
+  };
   bool tile_loaded = false;  // (kEarlyTile: the first tile's loads issued)
   if constexpr (kEarlyTile) {
     if (route_ids && u_begin < u_end) {  // (CTA-uniform)
-      int idx[RPW];
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) idx[r] = place_tile0(cur, r) + kt;
-      load_tile(idx, w_s[0], raw_s[0]);
+      load_first_tile();
       tile_loaded = true;
       mma_phase(11);  // the first tile asked for, the placement about to start
       place_routed_rows_inline(route_id, route_order, tile_cum, row_start, warp_sums, M, experts,
@@ -996,13 +1000,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   }
   if (u_begin < u_end && (!kSlab || warp < warps)) {  // (slabs: the producer's)
     if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
-    if (!tile_loaded) {
-      int idx[RPW];
-#pragma unroll
-      for (int r = 0; r < RPW; ++r)
-        idx[r] = (GROUPED ? place_tile0(cur, r) : row_tile(grp, r) * k_tiles) + kt;
-      load_tile(idx, w_s[0], raw_s[0]);
-    }
+    if (!tile_loaded) load_first_tile();
   }
 
   // The tables are built while the first loads are in flight; the barrier at
