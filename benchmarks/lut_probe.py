@@ -1,0 +1,159 @@
+"""Prototype: k = 2 at M = 1 by table lookups of four products (lut_k2_probe.cu),
+against kbit_gemm's own choice and the read ceiling, in one process.
+
+The kernel reads FORMAT.md's (packed, absmax) directly (no tiled copy). Not
+part of the package: a measurement of whether the form is worth building.
+Correctness: relative Frobenius error against kbit_gemm(kernel="mma") and
+against a float64 product on the smaller layers; timing: CUDA graphs after a
+256 MB overwrite (harness.time_graph), the read ceiling from stream_probe.
+
+    PYTHONPATH=. python benchmarks/lut_probe.py --compile-only          # offline: registers, spills
+    PYTHONPATH=. python benchmarks/lut_probe.py --out benchmarks/results/lut_probe_h200_<commit>
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SRC = Path(__file__).with_name("lut_k2_probe.cu")
+LAYERS = ["8192x57344", "4096x28672", "14336x4096"]
+CONFIGS = [(32, 8), (16, 8), (32, 4)]  # (S row steps a lane, G loads a group)
+
+
+def names(configs):
+    return [f"lut_k2<{s}, {g}>" for s, g in configs] + ["lut_reduce"]
+
+
+def compile_only(configs) -> int:
+    from kbit_cupy import _jit
+
+    for arch in ("sm_90a", "sm_80"):
+        opts = [*_jit.compile_options(), "-ftz=true", "--ptxas-options=-v", f"-arch={arch}"]
+        ok, log, lowered = _jit._nvrtc_compile(SRC.read_text(), names(configs), opts)
+        stats = _jit._parse_ptxas(log)
+        print(arch, "ok" if ok else "FAILED")
+        if not ok:
+            print(log)
+            return 1
+        for n, mangled in lowered.items():
+            print(f"  {n:<18} {stats.get(mangled)}")
+    return 0
+
+
+def lut_op(f, reduce_k, grid, smem, w, A, part, C, cps: int, chunks: int):
+    """The prototype's two launches as one op (partials, then their sum in split order)."""
+    N, K_dim = w.shape
+    args = (w.packed, w.absmax, w.codebook, A, part, np.int32(N), np.int32(K_dim), np.int32(cps),
+            np.int32(chunks))
+
+    def op():
+        f(grid, (256,), args, shared_mem=smem)
+        reduce_k(((N + 255) // 256,), (256,), (part, C, np.int32(N), np.int32(grid[1])))
+        return C
+
+    return op
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", nargs="+", default=LAYERS, help="K_dimxN")
+    p.add_argument("--splits", nargs="+", type=int, default=[0], help="0: fill 2 CTAs an SM")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.compile_only:
+        return compile_only(CONFIGS)
+
+    import cupy as cp
+
+    from kbit_cupy import _jit, kbit_gemm
+    from kbit_cupy.bench import harness
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from latency_kernel import activations_and_cublas, layer_weights, run_info
+    from stream_probe import read_ceilings
+
+    info = run_info(harness)
+    probe = cp.RawModule(code=SRC.read_text(), options=_jit.compile_options(),
+                         name_expressions=["shared_base"]).get_function("shared_base")
+    base = cp.zeros(1, cp.uint32)
+    probe((1,), (1,), (base,), shared_mem=1024)
+    table_at = int(base[0])
+    print(f"dynamic shared memory starts at window offset {table_at}", flush=True)
+    mod = cp.RawModule(code=SRC.read_text(), options=(*_jit.compile_options(), f"-DTABLE_AT={table_at}"),
+                       name_expressions=names(CONFIGS))
+    kerns = {cfg: mod.get_function(n) for cfg, n in zip(CONFIGS, names(CONFIGS))}
+    reduce_k = mod.get_function("lut_reduce")
+    smem = 65536 + 1024
+    for f in kerns.values():
+        f.max_dynamic_shared_size_bytes = smem
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    records = []
+    for layer in args.layers:
+        K_dim, N, W, weights = layer_weights(layer, [2])
+        w = weights[2]
+        A, cublas = activations_and_cublas(W, 1, np.float16)
+        ref = kbit_gemm(A, w, kernel="mma").astype(cp.float32)
+        exact = None
+        if N * K_dim <= 4096 * 28672:
+            exact = (A.astype(cp.float64) @ w.dequantize(np.float32).astype(cp.float64).T)
+        out_auto = cp.empty((1, N), cp.float16)
+        ops = {"cublas_fp16": cublas,
+               "auto": lambda w=w, A=A, o=out_auto: kbit_gemm(A, w, out=o)}
+        chunks = -(-K_dim // 256)
+        for cfg, f in kerns.items():
+            S, _ = cfg
+            row_blocks = -(-N // (32 * S))
+            for sp in args.splits:
+                if sp == 0:  # splits so that row_blocks * splits fills 2 CTAs an SM (at most one wave)
+                    sp = max(1, (2 * sms) // row_blocks)
+                sp = min(sp, chunks)
+                cps = -(-chunks // sp)
+                sp = -(-chunks // cps)
+                part = cp.full((sp, N), np.nan, cp.float32)
+                C = cp.full((1, N), np.nan, cp.float16)
+
+                op = lut_op(f, reduce_k, (row_blocks, sp), smem, w, A, part, C, cps, chunks)
+                got = op().astype(cp.float32)
+                err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+                ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
+                      if exact is not None else float("nan"))
+                bits = bool(cp.array_equal(op(), op()))
+                name = f"lut S={S} G={cfg[1]} splits={sp}"
+                print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
+                      f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
+                ops[name] = op
+        cp.cuda.Device().synchronize()
+        read = read_ceilings(K_dim, N, [2], args.reps)[2]
+        base = None
+        for name, op in ops.items():
+            st = harness.time_graph(op, reps=args.reps)
+            t = st["median_us"] if st else float("nan")
+            base = t if name == "cublas_fp16" else base
+            rec = {"K_dim": K_dim, "N": N, "M": 1, "k": 2, "op": name, "graph_us": t,
+                   "speedup": base / t, "read_us": read, "read_share": read / t}
+            records.append(rec)
+            print(f"{layer} {name:<28} {t:8.2f} us {base / t:5.2f}x  read share {read / t:.3f}",
+                  flush=True)
+        del weights, w, W
+    if args.out:
+        meta = {**info, "method": "CUDA graphs of (256 MB overwrite, op) pairs minus overwrites, "
+                "median of 10 replays of reps pairs (harness.time_graph); read_us: stream_probe "
+                "read_ceilings of the layer's k = 2 bytes", "reps": args.reps}
+        harness.write_results(records, meta, f"{args.out}.json", f"{args.out}.md",
+                              columns=["K_dim", "N", "M", "k", "op", "graph_us", "speedup",
+                                       "read_us", "read_share"],
+                              title="k = 2, M = 1: table-lookup prototype (lut_k2_probe.cu)")
+        print(f"wrote {args.out}.json and {args.out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
