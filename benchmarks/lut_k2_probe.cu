@@ -18,6 +18,20 @@
 // end; part[split][row] written. lut_reduce sums the splits in order.
 #include <cuda_fp16.h>
 
+// LUT_L2_FETCH = 64, 128 or 256 (A/B runs): the weight loads ask L2 to fetch
+// that many bytes around each, so a row's next chunks (64 B each) may come
+// from L2 on the CTA's next passes.
+#ifndef LUT_L2_FETCH
+#define LUT_L2_FETCH 0
+#endif
+#define LUT_STR2(x) #x
+#define LUT_STR(x) LUT_STR2(x)
+#define LUT_L2_STR LUT_STR(LUT_L2_FETCH)
+
+#ifndef LUT_CHUNK_MAJOR
+#define LUT_CHUNK_MAJOR 0
+#endif
+
 #ifndef TABLE_AT
 #define TABLE_AT 1024  // the table's shared-window offset (checked at entry)
 #endif
@@ -65,19 +79,38 @@ __global__ void __launch_bounds__(256, 2)
     unsigned sv[2][G];
     // the lane's block of its first row; step s adds 32 s rows (32-bit byte
     // offsets: a layer's 32 rows of blocks are far below 4 GB)
+#if LUT_CHUNK_MAJOR
+    // (A/B runs) packed and absmax re-laid [chunk][row][8 blocks], blocks past
+    // K_dim zero: a CTA's pass over a chunk reads 32 rows' 64 B contiguously
+    const long long first = ((long long)c * N + row_base) * 8 + b;
+    const unsigned wstride = 32u * 8u * 8u, sstride = 32u * 8u;
+    const int nvs = (N - row_base + 31) >> 5;
+#else
     const long long first = (long long)row_base * KB + kb0 + b;
-    const char* pw = reinterpret_cast<const char*>(packed + first);
-    const char* ps = reinterpret_cast<const char*>(absmax + first);
     const unsigned wstride = 32u * (unsigned)KB * 8u, sstride = 32u * (unsigned)KB;
     const int nvs = kb0 + b < KB ? (N - row_base + 31) >> 5 : 0;  // steps whose row exists
+#endif
+    const char* pw = reinterpret_cast<const char*>(packed + first);
+    const char* ps = reinterpret_cast<const char*>(absmax + first);
     auto load_group = [&](int grp, uint2* w, unsigned* sc) {
 #pragma unroll
       for (int i = 0; i < G; ++i) {
         const unsigned s = grp * G + i;
         w[i] = make_uint2(0u, 0u);
         sc[i] = 0u;
+#ifdef PROBE_NO_LOAD  // (diagnostic: wrong results) no weight loads
+        w[i] = make_uint2(s * 0x9E3779B9u ^ (unsigned)kb0, s * 0x85EBCA6Bu + (unsigned)first);
+        sc[i] = (s * 37u + b) & 255u;
+        if (false) {
+#else
         if ((int)s < nvs) {
+#endif
+#if LUT_L2_FETCH
+          asm volatile("ld.global.nc.L2::" LUT_L2_STR "B.v2.u32 {%0, %1}, [%2];"
+                       : "=r"(w[i].x), "=r"(w[i].y) : "l"(pw + s * wstride));
+#else
           w[i] = __ldg(reinterpret_cast<const uint2*>(pw + s * wstride));
+#endif
           sc[i] = __ldg(reinterpret_cast<const unsigned char*>(ps + s * sstride));
         }
       }
@@ -126,7 +159,11 @@ __global__ void __launch_bounds__(256, 2)
         for (int jp = 0; jp < 8; ++jp) {
           const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
           const unsigned addr = __byte_perm(jp < 4 ? R0 : R1, LB[jp >> 1], sel);
+#ifdef PROBE_NO_LDS  // (diagnostic: wrong results) no table loads
+          v[jp] = __uint_as_float(addr);
+#else
           asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+#endif
         }
         const float p0 = (v[0] + v[2]) + (v[4] + v[6]), p1 = (v[1] + v[3]) + (v[5] + v[7]);
         float scale;
@@ -142,6 +179,143 @@ __global__ void __launch_bounds__(256, 2)
     v += __shfl_xor_sync(0xffffffffu, v, 2);
     v += __shfl_xor_sync(0xffffffffu, v, 4);
     const int row = row_base + 32 * s;
+    if (b == 0 && row < N) part[(long long)split * N + row] = v;
+  }
+}
+
+// The staged form (chunk-major layout only): each CTA's pass over a chunk reads
+// R = 32 S rows' 64 B contiguously; cp.async copies stages of T CTA steps (32 T
+// rows: 2 KB T of weights, 256 T B of scales) into a ring of NSTAGE stages,
+// NSTAGE - 1 ahead, across the table builds; a CTA barrier a stage.
+template <int S, int T, int NSTAGE>
+__global__ void __launch_bounds__(256, 2)
+    lut_k2_staged(const uint4* __restrict__ packed, const uint4* __restrict__ absmax,
+                  const float* __restrict__ codebook, const __half* __restrict__ A, float* __restrict__ part,
+                  int N, int K_dim, int chunks_per_split, int chunks) {
+  extern __shared__ __align__(16) float smem[];  // [256][64] table, 256 scales, then the ring
+  constexpr int kStageW = 32 * T * 64, kStageS = 32 * T * 8, kStage = kStageW + kStageS;
+  constexpr int Q = S / T;  // stages a chunk
+  unsigned char* ring = reinterpret_cast<unsigned char*>(smem) + 65536 + 1024;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int split = blockIdx.y;
+  const int c0 = split * chunks_per_split, c1 = min(chunks, c0 + chunks_per_split);
+  const int row0 = blockIdx.x * 32 * S;
+  if (tid == 0 && (unsigned)__cvta_generic_to_shared(smem) != TABLE_AT) __trap();
+  {
+    const unsigned u = tid;
+    smem[16384 + u] = u < 16 ? (float)u * 6.103515625e-05f : __uint_as_float((u << 19) + (116u << 23));
+  }
+  const int b = lane & 7, rr = lane >> 3;
+  const int rot = (b >> 2) + 2 * rr;
+  unsigned selA = 0, selB = 0, LB[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const int ja = (m + rot) & 7, jb = (m + 4 + rot) & 7;
+    selA |= (unsigned)((ja & 1) * 4 + (ja >> 1)) << (4 * m);
+    selB |= (unsigned)((jb & 1) * 4 + (jb >> 1)) << (4 * m);
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+    LB[p] = (unsigned)(4 * (8 * b + ((2 * p + rot) & 7))) | ((unsigned)(4 * (8 * b + ((2 * p + 1 + rot) & 7))) << 8);
+  const float cb0 = codebook[0], cb1 = codebook[1], cb2 = codebook[2], cb3 = codebook[3];
+  const int gg = lane + 32 * (warp & 1), q4 = warp >> 1;
+
+  // stage z of this CTA's stream: chunk c0 + z / Q, rows row0 + 32 T (z % Q) ..
+  const int Z = (c1 - c0) * Q;
+  auto issue = [&](int z) {
+    if (z < Z) {
+      const int c = c0 + z / Q, r = row0 + 32 * T * (z % Q);
+      unsigned char* st = ring + (z % NSTAGE) * kStage;
+      const long long wbase = ((long long)c * N + r) * 4;  // 16 B units (64 B a row)
+#pragma unroll
+      for (int u = tid; u < kStageW / 16; u += 256) {
+        const bool ok = r + (u >> 2) < N;
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(st + 16 * u);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                     "l"(packed + (ok ? wbase + u : 0)), "r"(ok ? 16 : 0));
+      }
+      const long long sbase = ((long long)c * N + r) / 2;  // 16 B units (8 B a row; r even)
+      if (tid < kStageS / 16) {
+        const bool ok = r + 2 * tid < N;  // (the probe pads absmax by 16 B)
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(st + kStageW + 16 * tid);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                     "l"(absmax + (ok ? sbase + tid : 0)), "r"(ok ? 16 : 0));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  float acc[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) acc[s] = 0.0f;
+#pragma unroll
+  for (int z = 0; z < NSTAGE - 1; ++z) issue(z);
+
+  for (int c = c0; c < c1; ++c) {
+    const int zc = (c - c0) * Q;
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const int z = zc + q;
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 2));
+      __syncthreads();  // stage z landed for all; stage z - 1 (and the last chunk's table) done with
+      issue(z + NSTAGE - 1);
+      if (q == 0) {
+        const int kpos = c * 256 + 4 * gg;
+        float x0 = 0.f, x1 = 0.f, x2 = 0.f, x3 = 0.f;
+        if (kpos < K_dim) {
+          const uint2 xv = __ldg(reinterpret_cast<const uint2*>(A + kpos));
+          const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(&xv.x));
+          const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(&xv.y));
+          x0 = f01.x; x1 = f01.y; x2 = f23.x; x3 = f23.y;
+        }
+        const float cb[4] = {cb0, cb1, cb2, cb3};
+        float P01[16];
+#pragma unroll
+        for (int a = 0; a < 16; ++a) {
+          const int ca = (a & 1) | ((a >> 2) & 1) << 1, cc = ((a >> 1) & 1) | ((a >> 3) & 1) << 1;
+          P01[a] = x0 * cb[ca] + x1 * cb[cc];
+        }
+        const int hi2 = q4 & 1, hi3 = q4 >> 1;
+        const float x2l = x2 * (hi2 ? cb2 : cb0), x2h = x2 * (hi2 ? cb3 : cb1);
+        const float x3l = x3 * (hi3 ? cb2 : cb0), x3h = x3 * (hi3 ? cb3 : cb1);
+        const float P23[4] = {x2l + x3l, x2h + x3l, x2l + x3h, x2h + x3h};
+#pragma unroll
+        for (int ii = 0; ii < 64; ++ii) {
+          const int a = (ii & 3) | ((ii >> 4) & 3) << 2, bb = (ii >> 2) & 3;
+          smem[(q4 * 64 + ii) * 64 + gg] = P01[a] + P23[bb];
+        }
+        __syncthreads();
+      }
+      const unsigned char* st = ring + (z % NSTAGE) * kStage;
+#pragma unroll
+      for (int i = 0; i < T; ++i) {
+        const int rs = 32 * i + warp * 4 + rr;  // row in the stage
+        const uint2 w = *reinterpret_cast<const uint2*>(st + rs * 64 + b * 8);
+        const unsigned sc = st[kStageW + rs * 8 + b];
+        const unsigned t = (w.x & 0x0F0F0F0Fu) | ((w.y << 4) & 0xF0F0F0F0u);
+        const unsigned u = ((w.x >> 4) & 0x0F0F0F0Fu) | (w.y & 0xF0F0F0F0u);
+        const unsigned R0 = __byte_perm(t, u, selA), R1 = __byte_perm(t, u, selB);
+        float v[8];
+#pragma unroll
+        for (int jp = 0; jp < 8; ++jp) {
+          const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
+          const unsigned addr = __byte_perm(jp < 4 ? R0 : R1, LB[jp >> 1], sel);
+          asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+        }
+        const float p0 = (v[0] + v[2]) + (v[4] + v[6]), p1 = (v[1] + v[3]) + (v[5] + v[7]);
+        float scale;
+        asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(scale) : "r"(sc << 2), "n"(TABLE_AT + 65536));
+        acc[q * T + i] = fmaf(p0 + p1, scale, acc[q * T + i]);
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    float v = acc[s];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    const int row = row0 + 32 * s + warp * 4 + rr;
     if (b == 0 && row < N) part[(long long)split * N + row] = v;
   }
 }

@@ -23,18 +23,24 @@ import numpy as np
 SRC = Path(__file__).with_name("lut_k2_probe.cu")
 LAYERS = ["8192x57344", "4096x28672", "14336x4096"]
 CONFIGS = [(32, 8), (16, 8), (32, 4)]  # (S row steps a lane, G loads a group)
+STAGED = [(32, 4, 4), (16, 4, 4), (32, 2, 6), (32, 8, 3)]  # (S, T CTA steps a stage, NSTAGE)
 
 
-def names(configs):
-    return [f"lut_k2<{s}, {g}>" for s, g in configs] + ["lut_reduce"]
+def names(configs, staged=()):
+    return ([f"lut_k2<{s}, {g}>" for s, g in configs]
+            + [f"lut_k2_staged<{s}, {t}, {n}>" for s, t, n in staged] + ["lut_reduce"])
 
 
-def compile_only(configs) -> int:
+def staged_smem(t: int, nstage: int) -> int:
+    return 65536 + 1024 + nstage * 32 * t * 72
+
+
+def compile_only(configs, staged) -> int:
     from kbit_cupy import _jit
 
     for arch in ("sm_90a", "sm_80"):
         opts = [*_jit.compile_options(), "-ftz=true", "--ptxas-options=-v", f"-arch={arch}"]
-        ok, log, lowered = _jit._nvrtc_compile(SRC.read_text(), names(configs), opts)
+        ok, log, lowered = _jit._nvrtc_compile(SRC.read_text(), names(configs, staged), opts)
         stats = _jit._parse_ptxas(log)
         print(arch, "ok" if ok else "FAILED")
         if not ok:
@@ -45,10 +51,10 @@ def compile_only(configs) -> int:
     return 0
 
 
-def lut_op(f, reduce_k, grid, smem, w, A, part, C, cps: int, chunks: int):
+def lut_op(f, reduce_k, grid, smem, w, A, part, C, cps: int, chunks: int, packed, absmax):
     """The prototype's two launches as one op (partials, then their sum in split order)."""
     N, K_dim = w.shape
-    args = (w.packed, w.absmax, w.codebook, A, part, np.int32(N), np.int32(K_dim), np.int32(cps),
+    args = (packed, absmax, w.codebook, A, part, np.int32(N), np.int32(K_dim), np.int32(cps),
             np.int32(chunks))
 
     def op():
@@ -65,10 +71,11 @@ def main() -> int:
     p.add_argument("--splits", nargs="+", type=int, default=[0], help="0: fill 2 CTAs an SM")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--define", action="append", default=[], help="-D for lut_k2_probe.cu (diagnostics)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.compile_only:
-        return compile_only(CONFIGS)
+        return compile_only(CONFIGS, STAGED)
 
     import cupy as cp
 
@@ -86,13 +93,19 @@ def main() -> int:
     probe((1,), (1,), (base,), shared_mem=1024)
     table_at = int(base[0])
     print(f"dynamic shared memory starts at window offset {table_at}", flush=True)
-    mod = cp.RawModule(code=SRC.read_text(), options=(*_jit.compile_options(), f"-DTABLE_AT={table_at}"),
-                       name_expressions=names(CONFIGS))
+    mod = cp.RawModule(code=SRC.read_text(), options=(*_jit.compile_options(), f"-DTABLE_AT={table_at}",
+                                                        *(f"-D{d}" for d in args.define)),
+                       name_expressions=names(CONFIGS, STAGED))
+    chunk_major = "LUT_CHUNK_MAJOR=1" in args.define
     kerns = {cfg: mod.get_function(n) for cfg, n in zip(CONFIGS, names(CONFIGS))}
+    if chunk_major:
+        for cfg in STAGED:
+            kerns[cfg] = mod.get_function(names((), [cfg])[0])
+            kerns[cfg].max_dynamic_shared_size_bytes = staged_smem(cfg[1], cfg[2])
     reduce_k = mod.get_function("lut_reduce")
     smem = 65536 + 1024
-    for f in kerns.values():
-        f.max_dynamic_shared_size_bytes = smem
+    for cfg in CONFIGS:
+        kerns[cfg].max_dynamic_shared_size_bytes = smem
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     records = []
     for layer in args.layers:
@@ -107,8 +120,20 @@ def main() -> int:
         ops = {"cublas_fp16": cublas,
                "auto": lambda w=w, A=A, o=out_auto: kbit_gemm(A, w, out=o)}
         chunks = -(-K_dim // 256)
+        packed, absmax = w.packed, w.absmax
+        if chunk_major:  # [chunk][row][8 blocks], blocks past K_dim zero, 16 B of padding
+            assert N % 2 == 0, "the staged kernel copies two rows' scales at a time"
+            kb = K_dim // 32
+            pk = cp.zeros((N, chunks * 8, 2), cp.uint32)
+            pk[:, :kb] = w.packed.reshape(N, kb, 2)
+            am = cp.zeros((N, chunks * 8), cp.uint8)
+            am[:, :kb] = w.absmax.reshape(N, kb)
+            packed = cp.zeros(N * chunks * 16 + 4, cp.uint32)
+            packed[:-4] = pk.reshape(N, chunks, 16).transpose(1, 0, 2).reshape(-1)
+            absmax = cp.zeros(N * chunks * 8 + 16, cp.uint8)
+            absmax[:-16] = am.reshape(N, chunks, 8).transpose(1, 0, 2).reshape(-1)
         for cfg, f in kerns.items():
-            S, _ = cfg
+            S = cfg[0]
             row_blocks = -(-N // (32 * S))
             for sp in args.splits:
                 if sp == 0:  # splits so that row_blocks * splits fills 2 CTAs an SM (at most one wave)
@@ -119,13 +144,15 @@ def main() -> int:
                 part = cp.full((sp, N), np.nan, cp.float32)
                 C = cp.full((1, N), np.nan, cp.float16)
 
-                op = lut_op(f, reduce_k, (row_blocks, sp), smem, w, A, part, C, cps, chunks)
+                op = lut_op(f, reduce_k, (row_blocks, sp), smem if len(cfg) == 2 else staged_smem(*cfg[1:]),
+                            w, A, part, C, cps, chunks, packed, absmax)
                 got = op().astype(cp.float32)
                 err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
                 ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
                       if exact is not None else float("nan"))
                 bits = bool(cp.array_equal(op(), op()))
-                name = f"lut S={S} G={cfg[1]} splits={sp}"
+                name = (f"lut S={S} G={cfg[1]} splits={sp}" if len(cfg) == 2
+                        else f"staged S={S} T={cfg[1]} NST={cfg[2]} splits={sp}")
                 print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
                       f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
                 ops[name] = op
