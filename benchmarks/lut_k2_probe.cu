@@ -320,6 +320,129 @@ __global__ void __launch_bounds__(256, 2)
   }
 }
 
+// The same lookups on the mma kernels' tiled layout (gemm.py repack_for_gemm,
+// no extra copy): tiles [rt][kt][2][32][4] words, word (kk, 4g + t, q) holds
+// block j = 4 kk + q of rows g (bytes 0, 1) and g + 8 (bytes 2, 3), byte ph
+// of a row the codes of columns 32 j + 16 ph + 2t + {0, 1, 8, 9} as 2-bit
+// fields (entry index i: code_e = (i >> 2e) & 3). Group G = 8 j + 2 t + ph.
+// Lane roles: block j = lane & 7, gq = lane >> 3; a warp step is half a tile
+// (g = 4 half + gq, rows g and g + 8): four LDG.32 (t = 0..3) and two scales.
+template <int S, int G>
+__global__ void __launch_bounds__(256, 2)
+    lut_k2_tiles(const unsigned* __restrict__ tiles, const unsigned char* __restrict__ scales,
+                 const float* __restrict__ codebook, const __half* __restrict__ A, float* __restrict__ part,
+                 int N, int K_dim, int chunks_per_split, int kt_n, int rt_n) {
+  extern __shared__ __align__(16) float smem[];  // [256][64] table, then 256 scales
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int split = blockIdx.y;
+  const int c0 = split * chunks_per_split, c1 = min(kt_n, c0 + chunks_per_split);
+  if (tid == 0 && (unsigned)__cvta_generic_to_shared(smem) != TABLE_AT) __trap();
+  {
+    const unsigned u = tid;
+    smem[16384 + u] = u < 16 ? (float)u * 6.103515625e-05f : __uint_as_float((u << 19) + (116u << 23));
+  }
+  const int j = lane & 7, gq = lane >> 3, half = warp & 1, g = 4 * half + gq;
+  const int rot = (j >> 2) + 2 * gq;
+  unsigned selA = 0, selB = 0, LB[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    selA |= (unsigned)((m + rot) & 7) << (4 * m);
+    selB |= (unsigned)((m + 4 + rot) & 7) << (4 * m);
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+    LB[p] = (unsigned)(4 * (8 * j + ((2 * p + rot) & 7))) | ((unsigned)(4 * (8 * j + ((2 * p + 1 + rot) & 7))) << 8);
+  const float cb0 = codebook[0], cb1 = codebook[1], cb2 = codebook[2], cb3 = codebook[3];
+  const int gg = lane + 32 * (warp & 1), q4 = warp >> 1;  // build roles
+  const int tile0 = blockIdx.x * 4 * S + (warp >> 1);      // + 4 s
+  const int nvs = (rt_n - tile0 + 3) >> 2;                  // steps whose tile exists
+  // word offsets of the lane's four words in a tile, and its two scale bytes
+  const int woff = (j >> 2) * 128 + 16 * g + (j & 3);
+  const int soff = g * 8 + j;
+  float acc[2 * S];
+#pragma unroll
+  for (int s = 0; s < 2 * S; ++s) acc[s] = 0.0f;
+
+  for (int c = c0; c < c1; ++c) {
+    unsigned wv[2][G][4], sv[2][G][2];
+    const unsigned* pw = tiles + ((long long)tile0 * kt_n + c) * 256 + woff;
+    const unsigned char* ps = scales + ((long long)tile0 * kt_n + c) * 128 + soff;
+    const unsigned tstride = 4u * (unsigned)kt_n;  // 4 tiles of rows, in tiles
+    auto load_group = [&](int grp, unsigned (*w)[4], unsigned (*sc)[2]) {
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const unsigned s = grp * G + i;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[i][t] = 0u;
+        sc[i][0] = sc[i][1] = 0u;
+        if ((int)s < nvs) {
+#pragma unroll
+          for (int t = 0; t < 4; ++t) w[i][t] = __ldg(pw + s * tstride * 256u + 4 * t);
+          sc[i][0] = __ldg(ps + s * tstride * 128u);
+          sc[i][1] = __ldg(ps + s * tstride * 128u + 64);
+        }
+      }
+    };
+    load_group(0, wv[0], sv[0]);
+    __syncthreads();  // the previous chunk's lookups are done
+    {
+      const int jb = gg >> 3, tb = (gg >> 1) & 3, ph = gg & 1;
+      const int kpos = c * 256 + 32 * jb + 16 * ph + 2 * tb;
+      float x0 = 0.f, x1 = 0.f, x2 = 0.f, x3 = 0.f;
+      if (kpos < K_dim) {
+        const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos));
+        const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos + 8));
+        x0 = f01.x; x1 = f01.y; x2 = f23.x; x3 = f23.y;
+      }
+      const float cb[4] = {cb0, cb1, cb2, cb3};
+      float P01[16];
+#pragma unroll
+      for (int a = 0; a < 16; ++a) P01[a] = x0 * cb[a & 3] + x1 * cb[a >> 2];
+      const float x3c = x3 * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
+      const float P23[4] = {x2 * cb0 + x3c, x2 * cb1 + x3c, x2 * cb2 + x3c, x2 * cb3 + x3c};
+#pragma unroll
+      for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = P01[ii & 15] + P23[ii >> 4];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int grp = 0; grp < S / G; ++grp) {
+      const int cur = grp & 1;
+      if (grp + 1 < S / G) load_group(grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const unsigned* w = wv[cur][i];
+        const unsigned X0 = __byte_perm(w[0], w[1], 0x5410), X1 = __byte_perm(w[2], w[3], 0x5410);
+        const unsigned Y0 = __byte_perm(w[0], w[1], 0x7632), Y1 = __byte_perm(w[2], w[3], 0x7632);
+        const unsigned R[4] = {__byte_perm(X0, X1, selA), __byte_perm(X0, X1, selB),
+                               __byte_perm(Y0, Y1, selA), __byte_perm(Y0, Y1, selB)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v[8];
+#pragma unroll
+          for (int jp = 0; jp < 8; ++jp) {
+            const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
+            const unsigned addr = __byte_perm(R[2 * h + (jp >> 2)], LB[jp >> 1], sel);
+            asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+          }
+          const float p = ((v[0] + v[2]) + (v[4] + v[6])) + ((v[1] + v[3]) + (v[5] + v[7]));
+          float scale;
+          asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(scale) : "r"(sv[cur][i][h] << 2), "n"(TABLE_AT + 65536));
+          acc[2 * (grp * G + i) + h] = fmaf(p, scale, acc[2 * (grp * G + i) + h]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2 * S; ++s) {
+    float v = acc[s];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    const int row = (tile0 + 4 * (s >> 1)) * 16 + g + 8 * (s & 1);
+    if (j == 0 && row < N) part[(long long)split * N + row] = v;
+  }
+}
+
 __global__ void shared_base(unsigned* out) {
   extern __shared__ __align__(16) float smem[];
   *out = (unsigned)__cvta_generic_to_shared(smem);

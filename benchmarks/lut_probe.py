@@ -24,23 +24,25 @@ SRC = Path(__file__).with_name("lut_k2_probe.cu")
 LAYERS = ["8192x57344", "4096x28672", "14336x4096"]
 CONFIGS = [(32, 8), (16, 8), (32, 4)]  # (S row steps a lane, G loads a group)
 STAGED = [(32, 4, 4), (16, 4, 4), (32, 2, 6), (32, 8, 3)]  # (S, T CTA steps a stage, NSTAGE)
+TILES = [(16, 4), (16, 2), (8, 4)]  # lut_k2_tiles: (S half-tile steps a warp, G), 64 S rows a CTA
 
 
-def names(configs, staged=()):
+def names(configs, staged=(), tiles=()):
     return ([f"lut_k2<{s}, {g}>" for s, g in configs]
-            + [f"lut_k2_staged<{s}, {t}, {n}>" for s, t, n in staged] + ["lut_reduce"])
+            + [f"lut_k2_staged<{s}, {t}, {n}>" for s, t, n in staged]
+            + [f"lut_k2_tiles<{s}, {g}>" for s, g in tiles] + ["lut_reduce"])
 
 
 def staged_smem(t: int, nstage: int) -> int:
     return 65536 + 1024 + nstage * 32 * t * 72
 
 
-def compile_only(configs, staged) -> int:
+def compile_only(configs, staged, tiles) -> int:
     from kbit_cupy import _jit
 
     for arch in ("sm_90a", "sm_80"):
         opts = [*_jit.compile_options(), "-ftz=true", "--ptxas-options=-v", f"-arch={arch}"]
-        ok, log, lowered = _jit._nvrtc_compile(SRC.read_text(), names(configs, staged), opts)
+        ok, log, lowered = _jit._nvrtc_compile(SRC.read_text(), names(configs, staged, tiles), opts)
         stats = _jit._parse_ptxas(log)
         print(arch, "ok" if ok else "FAILED")
         if not ok:
@@ -65,6 +67,21 @@ def lut_op(f, reduce_k, grid, smem, w, A, part, C, cps: int, chunks: int, packed
     return op
 
 
+def tiles_op(f, reduce_k, grid, smem, w, A, part, C, cps: int):
+    """lut_k2_tiles on the weight's tiled layout, then the split sum."""
+    N, K_dim = w.shape
+    tiles, scales = w._tiles
+    args = (tiles, scales, w.codebook, A, part, np.int32(N), np.int32(K_dim), np.int32(cps),
+            np.int32(tiles.shape[1]), np.int32(tiles.shape[0]))
+
+    def op():
+        f(grid, (256,), args, shared_mem=smem)
+        reduce_k(((N + 255) // 256,), (256,), (part, C, np.int32(N), np.int32(grid[1])))
+        return C
+
+    return op
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", nargs="+", default=LAYERS, help="K_dimxN")
@@ -75,7 +92,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.compile_only:
-        return compile_only(CONFIGS, STAGED)
+        return compile_only(CONFIGS, STAGED, TILES)
 
     import cupy as cp
 
@@ -95,7 +112,7 @@ def main() -> int:
     print(f"dynamic shared memory starts at window offset {table_at}", flush=True)
     mod = cp.RawModule(code=SRC.read_text(), options=(*_jit.compile_options(), f"-DTABLE_AT={table_at}",
                                                         *(f"-D{d}" for d in args.define)),
-                       name_expressions=names(CONFIGS, STAGED))
+                       name_expressions=names(CONFIGS, STAGED, TILES))
     chunk_major = "LUT_CHUNK_MAJOR=1" in args.define
     kerns = {cfg: mod.get_function(n) for cfg, n in zip(CONFIGS, names(CONFIGS))}
     if chunk_major:
@@ -106,6 +123,9 @@ def main() -> int:
     smem = 65536 + 1024
     for cfg in CONFIGS:
         kerns[cfg].max_dynamic_shared_size_bytes = smem
+    tkerns = {cfg: mod.get_function(names((), (), [cfg])[0]) for cfg in TILES}
+    for f in tkerns.values():
+        f.max_dynamic_shared_size_bytes = smem
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     records = []
     for layer in args.layers:
@@ -156,6 +176,27 @@ def main() -> int:
                 print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
                       f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
                 ops[name] = op
+        tiles, scales = w._tiles
+        rt_n, kt_n = tiles.shape[:2]
+        for cfg, f in tkerns.items():
+            S = cfg[0]
+            row_blocks = -(-rt_n // (4 * S))
+            sp = max(1, (2 * sms) // row_blocks)
+            sp = min(sp, kt_n)
+            cps = -(-kt_n // sp)
+            sp = -(-kt_n // cps)
+            part = cp.full((sp, N), np.nan, cp.float32)
+            C = cp.full((1, N), np.nan, cp.float16)
+            op = tiles_op(f, reduce_k, (row_blocks, sp), smem, w, A, part, C, cps)
+            got = op().astype(cp.float32)
+            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
+                  if exact is not None else float("nan"))
+            bits = bool(cp.array_equal(op(), op()))
+            name = f"tiles S={S} G={cfg[1]} splits={sp}"
+            print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
+                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
+            ops[name] = op
         cp.cuda.Device().synchronize()
         read = read_ceilings(K_dim, N, [2], args.reps)[2]
         base = None
