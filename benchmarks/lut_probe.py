@@ -176,8 +176,7 @@ def main() -> int:
                 print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
                       f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
                 ops[name] = op
-        tiles, scales = w._tiles
-        rt_n, kt_n = tiles.shape[:2]
+        rt_n, kt_n = w._tiles[0].shape[:2]
         for cfg, f in tkerns.items():
             S = cfg[0]
             row_blocks = -(-rt_n // (4 * S))
