@@ -375,7 +375,15 @@ __global__ void __launch_bounds__(256, 2)
 #pragma unroll
         for (int t = 0; t < 4; ++t) w[i][t] = 0u;
         sc[i][0] = sc[i][1] = 0u;
+#ifdef PROBE_NO_LOAD  // (diagnostic: wrong results) no weight loads
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[i][t] = (s * 0x9E3779B9u + t) ^ (unsigned)c;
+        sc[i][0] = (s * 37u + j) & 255u;
+        sc[i][1] = (s * 91u + j) & 255u;
+        if (false) {
+#else
         if ((int)s < nvs) {
+#endif
 #pragma unroll
           for (int t = 0; t < 4; ++t) w[i][t] = __ldg(pw + s * tstride * 256u + 4 * t);
           sc[i][0] = __ldg(ps + s * tstride * 128u);
@@ -422,7 +430,11 @@ __global__ void __launch_bounds__(256, 2)
           for (int jp = 0; jp < 8; ++jp) {
             const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
             const unsigned addr = __byte_perm(R[2 * h + (jp >> 2)], LB[jp >> 1], sel);
+#ifdef PROBE_NO_LDS  // (diagnostic: wrong results) no table loads
+            v[jp] = __uint_as_float(addr);
+#else
             asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+#endif
           }
           const float p = ((v[0] + v[2]) + (v[4] + v[6])) + ((v[1] + v[3]) + (v[5] + v[7]));
           float scale;
