@@ -455,6 +455,153 @@ __global__ void __launch_bounds__(256, 2)
   }
 }
 
+template <int S, int G>
+__global__ void __launch_bounds__(256, 2)
+    lut_k2_tiles_bal(const unsigned* __restrict__ tiles, const unsigned char* __restrict__ scales,
+                 const float* __restrict__ codebook, const __half* __restrict__ A, float* __restrict__ part,
+                 int N, int K_dim, int kt_n, int rt_n, int units) {
+  extern __shared__ __align__(16) float smem[];  // [256][64] table, then 256 scales
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // units u = rb * kt_n + c (row block of 64 S rows, K tile c); CTA x takes
+  // [x U / grid, (x + 1) U / grid); cta_of(u) = ((u + 1) grid - 1) / U
+  const long long U = units, Gc = gridDim.x;
+  const int u0 = (int)(blockIdx.x * U / Gc), u1 = (int)((blockIdx.x + 1) * U / Gc);
+  if (tid == 0 && (unsigned)__cvta_generic_to_shared(smem) != TABLE_AT) __trap();
+  {
+    const unsigned u = tid;
+    smem[16384 + u] = u < 16 ? (float)u * 6.103515625e-05f : __uint_as_float((u << 19) + (116u << 23));
+  }
+  const int j = lane & 7, gq = lane >> 3, half = warp & 1, g = 4 * half + gq;
+  const int rot = (j >> 2) + 2 * gq;
+  unsigned selA = 0, selB = 0, LB[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    selA |= (unsigned)((m + rot) & 7) << (4 * m);
+    selB |= (unsigned)((m + 4 + rot) & 7) << (4 * m);
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+    LB[p] = (unsigned)(4 * (8 * j + ((2 * p + rot) & 7))) | ((unsigned)(4 * (8 * j + ((2 * p + 1 + rot) & 7))) << 8);
+  const float cb0 = codebook[0], cb1 = codebook[1], cb2 = codebook[2], cb3 = codebook[3];
+  const int gg = lane + 32 * (warp & 1), q4 = warp >> 1;  // build roles
+  // word offsets of the lane's four words in a tile, and its two scale bytes
+  const int woff = (j >> 2) * 128 + 16 * g + (j & 3);
+  const int soff = g * 8 + j;
+  float acc[2 * S];
+  for (int ub = u0; ub < u1;) {
+  const int rb = ub / kt_n, cb_end = min(u1 - rb * kt_n, kt_n);
+  const int tile0 = rb * 4 * S + (warp >> 1);  // + 4 s
+  const int nvs = (rt_n - tile0 + 3) >> 2;     // steps whose tile exists
+#pragma unroll
+  for (int s = 0; s < 2 * S; ++s) acc[s] = 0.0f;
+  for (int c = ub - rb * kt_n; c < cb_end; ++c) {
+    unsigned wv[2][G][4], sv[2][G][2];
+    const unsigned* pw = tiles + ((long long)tile0 * kt_n + c) * 256 + woff;
+    const unsigned char* ps = scales + ((long long)tile0 * kt_n + c) * 128 + soff;
+    const unsigned tstride = 4u * (unsigned)kt_n;  // 4 tiles of rows, in tiles
+    auto load_group = [&](int grp, unsigned (*w)[4], unsigned (*sc)[2]) {
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const unsigned s = grp * G + i;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[i][t] = 0u;
+        sc[i][0] = sc[i][1] = 0u;
+#ifdef PROBE_NO_LOAD  // (diagnostic: wrong results) no weight loads
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[i][t] = (s * 0x9E3779B9u + t) ^ (unsigned)c;
+        sc[i][0] = (s * 37u + j) & 255u;
+        sc[i][1] = (s * 91u + j) & 255u;
+        if (false) {
+#else
+        if ((int)s < nvs) {
+#endif
+#pragma unroll
+          for (int t = 0; t < 4; ++t) w[i][t] = __ldg(pw + s * tstride * 256u + 4 * t);
+          sc[i][0] = __ldg(ps + s * tstride * 128u);
+          sc[i][1] = __ldg(ps + s * tstride * 128u + 64);
+        }
+      }
+    };
+    load_group(0, wv[0], sv[0]);
+    __syncthreads();  // the previous chunk's lookups are done
+    {
+      const int jb = gg >> 3, tb = (gg >> 1) & 3, ph = gg & 1;
+      const int kpos = c * 256 + 32 * jb + 16 * ph + 2 * tb;
+      float x0 = 0.f, x1 = 0.f, x2 = 0.f, x3 = 0.f;
+      if (kpos < K_dim) {
+        const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos));
+        const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos + 8));
+        x0 = f01.x; x1 = f01.y; x2 = f23.x; x3 = f23.y;
+      }
+      const float cb[4] = {cb0, cb1, cb2, cb3};
+      float P01[16];
+#pragma unroll
+      for (int a = 0; a < 16; ++a) P01[a] = x0 * cb[a & 3] + x1 * cb[a >> 2];
+      const float x3c = x3 * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
+      const float P23[4] = {x2 * cb0 + x3c, x2 * cb1 + x3c, x2 * cb2 + x3c, x2 * cb3 + x3c};
+#pragma unroll
+      for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = P01[ii & 15] + P23[ii >> 4];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int grp = 0; grp < S / G; ++grp) {
+      const int cur = grp & 1;
+      if (grp + 1 < S / G) load_group(grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const unsigned* w = wv[cur][i];
+        const unsigned X0 = __byte_perm(w[0], w[1], 0x5410), X1 = __byte_perm(w[2], w[3], 0x5410);
+        const unsigned Y0 = __byte_perm(w[0], w[1], 0x7632), Y1 = __byte_perm(w[2], w[3], 0x7632);
+        const unsigned R[4] = {__byte_perm(X0, X1, selA), __byte_perm(X0, X1, selB),
+                               __byte_perm(Y0, Y1, selA), __byte_perm(Y0, Y1, selB)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v[8];
+#pragma unroll
+          for (int jp = 0; jp < 8; ++jp) {
+            const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
+            const unsigned addr = __byte_perm(R[2 * h + (jp >> 2)], LB[jp >> 1], sel);
+#ifdef PROBE_NO_LDS  // (diagnostic: wrong results) no table loads
+            v[jp] = __uint_as_float(addr);
+#else
+            asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+#endif
+          }
+          const float p = ((v[0] + v[2]) + (v[4] + v[6])) + ((v[1] + v[3]) + (v[5] + v[7]));
+          float scale;
+          asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(scale) : "r"(sv[cur][i][h] << 2), "n"(TABLE_AT + 65536));
+          acc[2 * (grp * G + i) + h] = fmaf(p, scale, acc[2 * (grp * G + i) + h]);
+        }
+      }
+    }
+  }
+  const int slot = (int)blockIdx.x - (int)((((long long)rb * kt_n + 1) * Gc - 1) / U);
+#pragma unroll
+  for (int s = 0; s < 2 * S; ++s) {
+    float v = acc[s];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    const int row = (tile0 + 4 * (s >> 1)) * 16 + g + 8 * (s & 1);
+    if (j == 0 && row < N) part[(long long)slot * N + row] = v;
+  }
+  ub = (rb + 1) * kt_n;
+  }
+}
+
+// The balanced form's sum: row n's row block rb was covered by the CTAs
+// cta_of(rb kt_n) .. cta_of(rb kt_n + kt_n - 1), slots 0.. in that order.
+__global__ void lut_reduce_bal(const float* __restrict__ part, __half* __restrict__ C, int N, int rows_per_rb,
+                               int kt_n, int units, int grid) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  const long long rb = n / rows_per_rb, U = units, Gc = grid;
+  const int first = (int)(((rb * kt_n + 1) * Gc - 1) / U), last = (int)(((rb * kt_n + kt_n) * Gc - 1) / U);
+  float s = 0.f;
+  for (int j = 0; j <= last - first; ++j) s += part[(long long)j * N + n];
+  C[n] = __float2half_rn(s);
+}
+
 __global__ void shared_base(unsigned* out) {
   extern __shared__ __align__(16) float smem[];
   *out = (unsigned)__cvta_generic_to_shared(smem);

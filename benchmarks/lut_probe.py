@@ -25,12 +25,14 @@ LAYERS = ["8192x57344", "4096x28672", "14336x4096"]
 CONFIGS = [(32, 8), (16, 8), (32, 4)]  # (S row steps a lane, G loads a group)
 STAGED = [(32, 4, 4), (16, 4, 4), (32, 2, 6), (32, 8, 3)]  # (S, T CTA steps a stage, NSTAGE)
 TILES = [(16, 4), (16, 2), (8, 4)]  # lut_k2_tiles: (S half-tile steps a warp, G), 64 S rows a CTA
+TBAL = [(16, 2), (14, 2), (16, 4)]  # lut_k2_tiles_bal: the same, units spread evenly over 2 CTAs an SM
 
 
 def names(configs, staged=(), tiles=()):
     return ([f"lut_k2<{s}, {g}>" for s, g in configs]
             + [f"lut_k2_staged<{s}, {t}, {n}>" for s, t, n in staged]
-            + [f"lut_k2_tiles<{s}, {g}>" for s, g in tiles] + ["lut_reduce"])
+            + [f"lut_k2_tiles<{s}, {g}>" for s, g in tiles]
+            + [f"lut_k2_tiles_bal<{s}, {g}>" for s, g in TBAL] + ["lut_reduce", "lut_reduce_bal"])
 
 
 def staged_smem(t: int, nstage: int) -> int:
@@ -82,6 +84,23 @@ def tiles_op(f, reduce_k, grid, smem, w, A, part, C, cps: int):
     return op
 
 
+def bal_op(f, reduce_bal, grid: int, smem, w, A, part, C, units: int, rows_per_rb: int):
+    """lut_k2_tiles_bal on the weight's tiled layout, then the slot sum."""
+    N, K_dim = w.shape
+    tiles, scales = w._tiles
+    kt_n = tiles.shape[1]
+    args = (tiles, scales, w.codebook, A, part, np.int32(N), np.int32(K_dim), np.int32(kt_n),
+            np.int32(tiles.shape[0]), np.int32(units))
+    rargs = (part, C, np.int32(N), np.int32(rows_per_rb), np.int32(kt_n), np.int32(units), np.int32(grid))
+
+    def op():
+        f((grid,), (256,), args, shared_mem=smem)
+        reduce_bal(((N + 255) // 256,), (256,), rargs)
+        return C
+
+    return op
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", nargs="+", default=LAYERS, help="K_dimxN")
@@ -124,7 +143,9 @@ def main() -> int:
     for cfg in CONFIGS:
         kerns[cfg].max_dynamic_shared_size_bytes = smem
     tkerns = {cfg: mod.get_function(names((), (), [cfg])[0]) for cfg in TILES}
-    for f in tkerns.values():
+    bkerns = {cfg: mod.get_function(f"lut_k2_tiles_bal<{cfg[0]}, {cfg[1]}>") for cfg in TBAL}
+    reduce_bal = mod.get_function("lut_reduce_bal")
+    for f in (*tkerns.values(), *bkerns.values()):
         f.max_dynamic_shared_size_bytes = smem
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     records = []
@@ -194,6 +215,25 @@ def main() -> int:
             bits = bool(cp.array_equal(op(), op()))
             name = f"tiles S={S} G={cfg[1]} splits={sp}"
             print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
+                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
+            ops[name] = op
+        for cfg, f in bkerns.items():
+            S = cfg[0]
+            n_rb = -(-rt_n // (4 * S))
+            units = n_rb * kt_n
+            grid = min(2 * sms, units)
+            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U  # noqa: E731
+            slots = max(cta_of(rb * kt_n + kt_n - 1) - cta_of(rb * kt_n) + 1 for rb in range(n_rb))
+            part = cp.full((slots, N), np.nan, cp.float32)
+            C = cp.full((1, N), np.nan, cp.float16)
+            op = bal_op(f, reduce_bal, grid, smem, w, A, part, C, units, 64 * S)
+            got = op().astype(cp.float32)
+            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
+                  if exact is not None else float("nan"))
+            bits = bool(cp.array_equal(op(), op()))
+            name = f"balanced S={S} G={cfg[1]} ctas={grid}"
+            print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
                   f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
             ops[name] = op
         cp.cuda.Device().synchronize()
