@@ -222,7 +222,7 @@ def main() -> int:
             n_rb = -(-rt_n // (4 * S))
             units = n_rb * kt_n
             grid = min(2 * sms, units)
-            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U  # noqa: E731
+            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U
             slots = max(cta_of(rb * kt_n + kt_n - 1) - cta_of(rb * kt_n) + 1 for rb in range(n_rb))
             part = cp.full((slots, N), np.nan, cp.float32)
             C = cp.full((1, N), np.nan, cp.float16)
