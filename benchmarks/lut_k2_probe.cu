@@ -602,6 +602,151 @@ __global__ void lut_reduce_bal(const float* __restrict__ part, __half* __restric
   C[n] = __float2half_rn(s);
 }
 
+// lut_k2_tiles_bal with its weight and scale words prefetched by cp.async into
+// a per-lane ring of D steps instead of registers: each lane copies (4 B at a
+// time) the four words and two scale words it alone reads back, D - 1 steps
+// ahead, across the table builds; no barrier but the builds' two.
+template <int S, int D>
+__global__ void __launch_bounds__(256, 2)
+    lut_k2_ring(const unsigned* __restrict__ tiles, const unsigned* __restrict__ scales,
+                const float* __restrict__ codebook, const __half* __restrict__ A, float* __restrict__ part,
+                int N, int K_dim, int kt_n, int rt_n, int units) {
+  extern __shared__ __align__(16) float smem[];  // [256][64] table, 256 scales, then the ring
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long U = units, Gc = gridDim.x;
+  const int u0 = (int)(blockIdx.x * U / Gc), u1 = (int)((blockIdx.x + 1) * U / Gc);
+  if (tid == 0 && (unsigned)__cvta_generic_to_shared(smem) != TABLE_AT) __trap();
+  {
+    const unsigned u = tid;
+    smem[16384 + u] = u < 16 ? (float)u * 6.103515625e-05f : __uint_as_float((u << 19) + (116u << 23));
+  }
+  // ring: slot z % D of warp w: [32 lanes][4 words] weights, then [32 lanes][2 words] scales
+  const unsigned ring = (unsigned)__cvta_generic_to_shared(smem) + 65536 + 1024 + warp * D * 768;
+  const int j = lane & 7, gq = lane >> 3, half = warp & 1, g = 4 * half + gq;
+  const int rot = (j >> 2) + 2 * gq;
+  unsigned selA = 0, selB = 0, LB[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    selA |= (unsigned)((m + rot) & 7) << (4 * m);
+    selB |= (unsigned)((m + 4 + rot) & 7) << (4 * m);
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+    LB[p] = (unsigned)(4 * (8 * j + ((2 * p + rot) & 7))) | ((unsigned)(4 * (8 * j + ((2 * p + 1 + rot) & 7))) << 8);
+  const float cb0 = codebook[0], cb1 = codebook[1], cb2 = codebook[2], cb3 = codebook[3];
+  const int gg = lane + 32 * (warp & 1), q4 = warp >> 1;  // build roles
+  const int woff = (j >> 2) * 128 + 16 * g + (j & 3);       // the lane's words in a tile (+ 4 t)
+  const int soff = (g * 8 + j) >> 2;                        // its scale words (+ 16 for row g + 8)
+  const unsigned sshift = 8 * (j & 3);
+  static_assert(S % D == 0 && D <= S, "ring slots by the step's index");
+  const unsigned tstep = 4u * (unsigned)kt_n;  // 4 tiles of rows, in tiles
+  // the lane's first words of unit u (row block rb, K tile c), and the row block's first tile
+  auto unit_src = [&](int u, const unsigned*& w0, const unsigned*& s0, int& tb) {
+    const int rb = u / kt_n, c = u - rb * kt_n;
+    tb = rb * 4 * S + (warp >> 1);
+    const long long tk = (long long)tb * kt_n + c;
+    w0 = tiles + tk * 256 + woff;
+    s0 = scales + tk * 32 + soff;
+  };
+  auto issue = [&](const unsigned* w0, const unsigned* s0, int tb, int sp, bool live, int slot) {
+    const bool ok = live && tb + 4 * sp < rt_n;
+    const unsigned* src = ok ? w0 + (size_t)sp * tstep * 256u : tiles;
+    const unsigned* ssrc = ok ? s0 + (size_t)sp * tstep * 32u : scales;
+    const unsigned dst = ring + slot * 768 + lane * 16, sdst = ring + slot * 768 + 512 + lane * 8;
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst + 4 * t), "l"(src + 4 * t),
+                   "r"(ok ? 4 : 0) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sdst), "l"(ssrc), "r"(ok ? 4 : 0) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sdst + 4), "l"(ssrc + (ok ? 16 : 0)),
+                 "r"(ok ? 4 : 0) : "memory");
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+
+  const unsigned *cw = tiles, *cs = scales, *nw = tiles, *ns = scales;
+  int ctb = 0, ntb = 0;
+  if (u0 < u1) unit_src(u0, cw, cs, ctb);
+#pragma unroll
+  for (int sp = 0; sp < D - 1; ++sp) issue(cw, cs, ctb, sp, u0 < u1, sp % D);
+  float acc[2 * S];
+#pragma unroll
+  for (int s = 0; s < 2 * S; ++s) acc[s] = 0.0f;
+  for (int u = u0; u < u1; ++u) {
+    const int rb = u / kt_n, c = u - rb * kt_n;
+    if (u + 1 < u1) unit_src(u + 1, nw, ns, ntb);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const int z = s;  // the ring slot is z % D (S % D == 0)
+      if (s + D - 1 < S) issue(cw, cs, ctb, s + D - 1, true, (s + D - 1) % D);
+      else issue(nw, ns, ntb, s + D - 1 - S, u + 1 < u1, (s + D - 1) % D);
+      if (s == 0) {
+        __syncthreads();  // the previous unit's lookups are done
+        const int jb = gg >> 3, tb = (gg >> 1) & 3, ph = gg & 1;
+        const int kpos = c * 256 + 32 * jb + 16 * ph + 2 * tb;
+        float x0 = 0.f, x1 = 0.f, x2 = 0.f, x3 = 0.f;
+        if (kpos < K_dim) {
+          const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos));
+          const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos + 8));
+          x0 = f01.x; x1 = f01.y; x2 = f23.x; x3 = f23.y;
+        }
+        const float cb[4] = {cb0, cb1, cb2, cb3};
+        float P01[16];
+#pragma unroll
+        for (int a = 0; a < 16; ++a) P01[a] = x0 * cb[a & 3] + x1 * cb[a >> 2];
+        const float x3c = x3 * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
+        const float P23[4] = {x2 * cb0 + x3c, x2 * cb1 + x3c, x2 * cb2 + x3c, x2 * cb3 + x3c};
+#pragma unroll
+        for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = P01[ii & 15] + P23[ii >> 4];
+        __syncthreads();
+      }
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");
+      uint4 wq;
+      uint2 sq;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(wq.x), "=r"(wq.y), "=r"(wq.z), "=r"(wq.w)
+                   : "r"(ring + (z % D) * 768 + lane * 16) : "memory");
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(sq.x), "=r"(sq.y)
+                   : "r"(ring + (z % D) * 768 + 512 + lane * 8) : "memory");
+      const unsigned X0 = __byte_perm(wq.x, wq.y, 0x5410), X1 = __byte_perm(wq.z, wq.w, 0x5410);
+      const unsigned Y0 = __byte_perm(wq.x, wq.y, 0x7632), Y1 = __byte_perm(wq.z, wq.w, 0x7632);
+      const unsigned R[4] = {__byte_perm(X0, X1, selA), __byte_perm(X0, X1, selB),
+                             __byte_perm(Y0, Y1, selA), __byte_perm(Y0, Y1, selB)};
+      const unsigned sc[2] = {((sq.x >> sshift) & 255u) << 2, ((sq.y >> sshift) & 255u) << 2};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v[8];
+#pragma unroll
+        for (int jp = 0; jp < 8; ++jp) {
+          const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
+          const unsigned addr = __byte_perm(R[2 * h + (jp >> 2)], LB[jp >> 1], sel);
+          asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+        }
+        const float p = ((v[0] + v[2]) + (v[4] + v[6])) + ((v[1] + v[3]) + (v[5] + v[7]));
+        float scale;
+        asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(scale) : "r"(sc[h]), "n"(TABLE_AT + 65536));
+        acc[2 * s + h] = fmaf(p, scale, acc[2 * s + h]);
+      }
+    }
+    if (u == u1 - 1 || c == kt_n - 1) {  // the row block's last unit here: its slot
+      const int slot = (int)blockIdx.x - (int)((((long long)rb * kt_n + 1) * Gc - 1) / U);
+      const int tile0 = rb * 4 * S + (warp >> 1);
+#pragma unroll
+      for (int s = 0; s < 2 * S; ++s) {
+        float v = acc[s];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        const int row = (tile0 + 4 * (s >> 1)) * 16 + g + 8 * (s & 1);
+        if (j == 0 && row < N) part[(long long)slot * N + row] = v;
+        acc[s] = 0.0f;
+      }
+    }
+    cw = nw;
+    cs = ns;
+    ctb = ntb;
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
 __global__ void shared_base(unsigned* out) {
   extern __shared__ __align__(16) float smem[];
   *out = (unsigned)__cvta_generic_to_shared(smem);

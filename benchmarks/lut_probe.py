@@ -26,13 +26,19 @@ CONFIGS = [(32, 8), (16, 8), (32, 4)]  # (S row steps a lane, G loads a group)
 STAGED = [(32, 4, 4), (16, 4, 4), (32, 2, 6), (32, 8, 3)]  # (S, T CTA steps a stage, NSTAGE)
 TILES = [(16, 4), (16, 2), (8, 4)]  # lut_k2_tiles: (S half-tile steps a warp, G), 64 S rows a CTA
 TBAL = [(16, 2), (14, 2), (16, 4)]  # lut_k2_tiles_bal: the same, units spread evenly over 2 CTAs an SM
+RING = [(16, 4), (16, 8), (16, 2)]  # lut_k2_ring: (S, D ring steps), cp.async prefetch
 
 
 def names(configs, staged=(), tiles=()):
     return ([f"lut_k2<{s}, {g}>" for s, g in configs]
             + [f"lut_k2_staged<{s}, {t}, {n}>" for s, t, n in staged]
             + [f"lut_k2_tiles<{s}, {g}>" for s, g in tiles]
-            + [f"lut_k2_tiles_bal<{s}, {g}>" for s, g in TBAL] + ["lut_reduce", "lut_reduce_bal"])
+            + [f"lut_k2_tiles_bal<{s}, {g}>" for s, g in TBAL]
+            + [f"lut_k2_ring<{s}, {d}>" for s, d in RING] + ["lut_reduce", "lut_reduce_bal"])
+
+
+def ring_smem(d: int) -> int:
+    return 65536 + 1024 + 8 * d * 768
 
 
 def staged_smem(t: int, nstage: int) -> int:
@@ -145,6 +151,14 @@ def main() -> int:
     tkerns = {cfg: mod.get_function(names((), (), [cfg])[0]) for cfg in TILES}
     bkerns = {cfg: mod.get_function(f"lut_k2_tiles_bal<{cfg[0]}, {cfg[1]}>") for cfg in TBAL}
     reduce_bal = mod.get_function("lut_reduce_bal")
+    from kbit_cupy.gemm import launch_ctas_per_sm
+    rkerns = {}
+    for S, D in RING:
+        f = mod.get_function(f"lut_k2_ring<{S}, {D}>")
+        f.max_dynamic_shared_size_bytes = ring_smem(D)
+        rkerns[(S, D)] = (f, launch_ctas_per_sm(f, 256, ring_smem(D)))
+        print(f"lut_k2_ring<{S}, {D}>: {ring_smem(D)} B of shared memory, {rkerns[(S, D)][1]} CTAs an SM",
+              flush=True)
     for f in (*tkerns.values(), *bkerns.values()):
         f.max_dynamic_shared_size_bytes = smem
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -233,6 +247,24 @@ def main() -> int:
                   if exact is not None else float("nan"))
             bits = bool(cp.array_equal(op(), op()))
             name = f"balanced S={S} G={cfg[1]} ctas={grid}"
+            print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
+                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
+            ops[name] = op
+        for (S, D), (f, per_sm) in rkerns.items():
+            n_rb = -(-rt_n // (4 * S))
+            units = n_rb * kt_n
+            grid = min(per_sm * sms, units)
+            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U
+            slots = max(cta_of(rb * kt_n + kt_n - 1) - cta_of(rb * kt_n) + 1 for rb in range(n_rb))
+            part = cp.full((slots, N), np.nan, cp.float32)
+            C = cp.full((1, N), np.nan, cp.float16)
+            op = bal_op(f, reduce_bal, grid, ring_smem(D), w, A, part, C, units, 64 * S)
+            got = op().astype(cp.float32)
+            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
+                  if exact is not None else float("nan"))
+            bits = bool(cp.array_equal(op(), op()))
+            name = f"ring S={S} D={D} ctas={grid}"
             print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
                   f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
             ops[name] = op
