@@ -747,6 +747,160 @@ __global__ void __launch_bounds__(256, 2)
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
+// The balanced tiled form with the mma lanes' own 16-byte loads: lane 4g + t
+// loads words (kk, 4g + t, 0..3) of a tile (blocks 4 kk .. 4 kk + 3 of rows g
+// and g + 8, column set t) as one LDG.128 a kk; a warp step is one whole tile
+// (1 KB, two coalesced loads). Group G = 32 kk + 8 t + 2 q + ph (bank 8 t + 2 q
+// + ph); lanes of one t take their 8 (q, ph) in an order rotated by g. The
+// pair sums (row h, block j) are reduced over t by two shuffle rounds, after
+// which lane t holds row g + 8 (t >> 1), blocks 4 (t & 1) .. + 3: one
+// 4-byte scale load and four FFMA into one accumulator a tile.
+template <int S, int G>
+__global__ void __launch_bounds__(256, 2)
+    lut_k2_v4(const uint4* __restrict__ tiles, const unsigned* __restrict__ scales,
+              const float* __restrict__ codebook, const __half* __restrict__ A, float* __restrict__ part,
+              int N, int K_dim, int kt_n, int rt_n, int units) {
+  extern __shared__ __align__(16) float smem[];  // [256][64] table, then 256 scales
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long U = units, Gc = gridDim.x;
+  const int u0 = (int)(blockIdx.x * U / Gc), u1 = (int)((blockIdx.x + 1) * U / Gc);
+  if (tid == 0 && (unsigned)__cvta_generic_to_shared(smem) != TABLE_AT) __trap();
+  {
+    const unsigned u = tid;
+    smem[16384 + u] = u < 16 ? (float)u * 6.103515625e-05f : __uint_as_float((u << 19) + (116u << 23));
+  }
+  const int g = lane >> 2, t = lane & 3;
+  // lookup jp = 2 m + e is (q, ph) = ((m + (g >> 1)) & 3, e ^ (g & 1)): the 8 lanes
+  // of one t take 8 different groups at once, and jp = 2m, 2m + 1 are one pair
+  auto idx8 = [&](int jp) { return 2 * (((jp >> 1) + (g >> 1)) & 3) + ((jp & 1) ^ (g & 1)); };
+  unsigned selA = 0, selB = 0, LB[2][4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    selA |= (unsigned)idx8(m) << (4 * m);
+    selB |= (unsigned)idx8(m + 4) << (4 * m);
+  }
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    LB[0][p] = (unsigned)(4 * (8 * t + idx8(2 * p))) | ((unsigned)(4 * (8 * t + idx8(2 * p + 1))) << 8);
+    LB[1][p] = LB[0][p] | 0x8080u;  // kk = 1: groups + 32
+  }
+  // the scale word's byte q moved to byte (q - (g >> 1)) & 3: the pair sums' order
+  unsigned ssel = 0;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) ssel |= (unsigned)((m + (g >> 1)) & 3) << (4 * m);
+  const float cb0 = codebook[0], cb1 = codebook[1], cb2 = codebook[2], cb3 = codebook[3];
+  const int gg = lane + 32 * (warp & 1), q4 = warp >> 1;  // build roles
+  const int soff = ((g + 8 * (t >> 1)) * 8 + 4 * (t & 1)) >> 2;  // the lane's scale word in a tile
+  float acc[S];
+  for (int ub = u0; ub < u1;) {
+    const int rb = ub / kt_n, cb_end = min(u1 - rb * kt_n, kt_n);
+    const int tile0 = rb * 8 * S + warp;       // + 8 s
+    const int nvs = (rt_n - tile0 + 7) >> 3;  // steps whose tile exists
+#pragma unroll
+    for (int s = 0; s < S; ++s) acc[s] = 0.0f;
+    for (int c = ub - rb * kt_n; c < cb_end; ++c) {
+      uint4 wv[2][G][2];
+      unsigned sv[2][G];
+      const uint4* pw = tiles + ((long long)tile0 * kt_n + c) * 64 + lane;
+      const unsigned* ps = scales + ((long long)tile0 * kt_n + c) * 32 + soff;
+      const unsigned tstride = 8u * (unsigned)kt_n;  // 8 tiles of rows, in tiles
+      auto load_group = [&](int grp, uint4 (*w)[2], unsigned* sc) {
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          const unsigned s = grp * G + i;
+          w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
+          sc[i] = 0u;
+          if ((int)s < nvs) {
+            w[i][0] = __ldg(pw + s * tstride * 64u);
+            w[i][1] = __ldg(pw + s * tstride * 64u + 32);
+            sc[i] = __ldg(ps + s * tstride * 32u);
+          }
+        }
+      };
+      load_group(0, wv[0], sv[0]);
+      __syncthreads();  // the previous chunk's lookups are done
+      {
+        const int kk = gg >> 5, tb = (gg >> 3) & 3, q = (gg >> 1) & 3, ph = gg & 1;
+        const int kpos = c * 256 + 32 * (4 * kk + q) + 16 * ph + 2 * tb;
+        float x0 = 0.f, x1 = 0.f, x2 = 0.f, x3 = 0.f;
+        if (kpos < K_dim) {
+          const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos));
+          const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(A + kpos + 8));
+          x0 = f01.x; x1 = f01.y; x2 = f23.x; x3 = f23.y;
+        }
+        const float cb[4] = {cb0, cb1, cb2, cb3};
+        float P01[16];
+#pragma unroll
+        for (int a = 0; a < 16; ++a) P01[a] = x0 * cb[a & 3] + x1 * cb[a >> 2];
+        const float x3c = x3 * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
+        const float P23[4] = {x2 * cb0 + x3c, x2 * cb1 + x3c, x2 * cb2 + x3c, x2 * cb3 + x3c};
+#pragma unroll
+        for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = P01[ii & 15] + P23[ii >> 4];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int grp = 0; grp < S / G; ++grp) {
+        const int cur = grp & 1;
+        if (grp + 1 < S / G) load_group(grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          float pr[16];  // pair sums, index 8 h + j
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk) {
+            const uint4 w = wv[cur][i][kk];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const unsigned X0 = __byte_perm(w.x, w.y, h ? 0x7632 : 0x5410);
+              const unsigned X1 = __byte_perm(w.z, w.w, h ? 0x7632 : 0x5410);
+              const unsigned R0 = __byte_perm(X0, X1, selA), R1 = __byte_perm(X0, X1, selB);
+              float v[8];
+#pragma unroll
+              for (int jp = 0; jp < 8; ++jp) {
+                const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
+                const unsigned addr = __byte_perm(jp < 4 ? R0 : R1, LB[kk][jp >> 1], sel);
+                asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+              }
+#pragma unroll
+              for (int m = 0; m < 4; ++m) pr[8 * h + 4 * kk + m] = v[2 * m] + v[2 * m + 1];
+            }
+          }
+          // reduce over t: xor 2 keeps h = t >> 1, xor 1 keeps blocks 4 (t & 1) ..
+          float r8[8];
+#pragma unroll
+          for (int m = 0; m < 8; ++m) {
+            const float mine = (t >> 1) ? pr[8 + m] : pr[m], other = (t >> 1) ? pr[m] : pr[8 + m];
+            r8[m] = mine + __shfl_xor_sync(0xffffffffu, other, 2);
+          }
+          float r4[4];
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const float mine = (t & 1) ? r8[4 + m] : r8[m], other = (t & 1) ? r8[m] : r8[4 + m];
+            r4[m] = mine + __shfl_xor_sync(0xffffffffu, other, 1);
+          }
+          const unsigned sw = __byte_perm(sv[cur][i], 0u, ssel);
+          float a = acc[grp * G + i];
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            float scale;
+            asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(scale) : "r"(((sw >> (8 * m)) & 255u) << 2),
+                         "n"(TABLE_AT + 65536));
+            a = fmaf(r4[m], scale, a);
+          }
+          acc[grp * G + i] = a;
+        }
+      }
+    }
+    const int slot = (int)blockIdx.x - (int)((((long long)rb * kt_n + 1) * Gc - 1) / U);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const float v = acc[s] + __shfl_xor_sync(0xffffffffu, acc[s], 1);
+      const int row = (tile0 + 8 * s) * 16 + g + 8 * (t >> 1);
+      if ((t & 1) == 0 && row < N) part[(long long)slot * N + row] = v;
+    }
+    ub = (rb + 1) * kt_n;
+  }
+}
+
 __global__ void shared_base(unsigned* out) {
   extern __shared__ __align__(16) float smem[];
   *out = (unsigned)__cvta_generic_to_shared(smem);

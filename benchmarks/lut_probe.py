@@ -27,6 +27,7 @@ STAGED = [(32, 4, 4), (16, 4, 4), (32, 2, 6), (32, 8, 3)]  # (S, T CTA steps a s
 TILES = [(16, 4), (16, 2), (8, 4)]  # lut_k2_tiles: (S half-tile steps a warp, G), 64 S rows a CTA
 TBAL = [(16, 2), (14, 2), (16, 4)]  # lut_k2_tiles_bal: the same, units spread evenly over 2 CTAs an SM
 RING = [(16, 4), (16, 8), (16, 2)]  # lut_k2_ring: (S, D ring steps), cp.async prefetch
+V4 = [(8, 4), (8, 2), (16, 2), (12, 4)]  # lut_k2_v4: (S whole-tile steps a warp, G), 128 S rows a CTA
 
 
 def names(configs, staged=(), tiles=()):
@@ -34,7 +35,8 @@ def names(configs, staged=(), tiles=()):
             + [f"lut_k2_staged<{s}, {t}, {n}>" for s, t, n in staged]
             + [f"lut_k2_tiles<{s}, {g}>" for s, g in tiles]
             + [f"lut_k2_tiles_bal<{s}, {g}>" for s, g in TBAL]
-            + [f"lut_k2_ring<{s}, {d}>" for s, d in RING] + ["lut_reduce", "lut_reduce_bal"])
+            + [f"lut_k2_ring<{s}, {d}>" for s, d in RING]
+            + [f"lut_k2_v4<{s}, {g}>" for s, g in V4] + ["lut_reduce", "lut_reduce_bal"])
 
 
 def ring_smem(d: int) -> int:
@@ -114,6 +116,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--define", action="append", default=[], help="-D for lut_k2_probe.cu (diagnostics)")
+    p.add_argument("--only", nargs="+", default=None, help="time only ops whose name starts so")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.compile_only:
@@ -150,6 +153,9 @@ def main() -> int:
         kerns[cfg].max_dynamic_shared_size_bytes = smem
     tkerns = {cfg: mod.get_function(names((), (), [cfg])[0]) for cfg in TILES}
     bkerns = {cfg: mod.get_function(f"lut_k2_tiles_bal<{cfg[0]}, {cfg[1]}>") for cfg in TBAL}
+    vkerns = {cfg: mod.get_function(f"lut_k2_v4<{cfg[0]}, {cfg[1]}>") for cfg in V4}
+    for f in vkerns.values():
+        f.max_dynamic_shared_size_bytes = smem
     reduce_bal = mod.get_function("lut_reduce_bal")
     from kbit_cupy.gemm import launch_ctas_per_sm
     rkerns = {}
@@ -250,6 +256,24 @@ def main() -> int:
             print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
                   f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
             ops[name] = op
+        for (S, G), f in vkerns.items():
+            n_rb = -(-rt_n // (8 * S))
+            units = n_rb * kt_n
+            grid = min(2 * sms, units)
+            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U
+            slots = max(cta_of(rb * kt_n + kt_n - 1) - cta_of(rb * kt_n) + 1 for rb in range(n_rb))
+            part = cp.full((slots, N), np.nan, cp.float32)
+            C = cp.full((1, N), np.nan, cp.float16)
+            op = bal_op(f, reduce_bal, grid, smem, w, A, part, C, units, 128 * S)
+            got = op().astype(cp.float32)
+            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
+                  if exact is not None else float("nan"))
+            bits = bool(cp.array_equal(op(), op()))
+            name = f"v4 S={S} G={G} ctas={grid}"
+            print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
+                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
+            ops[name] = op
         for (S, D), (f, per_sm) in rkerns.items():
             n_rb = -(-rt_n // (4 * S))
             units = n_rb * kt_n
@@ -272,6 +296,8 @@ def main() -> int:
         read = read_ceilings(K_dim, N, [2], args.reps)[2]
         base = None
         for name, op in ops.items():
+            if args.only and name not in ("cublas_fp16", "auto") and not name.startswith(tuple(args.only)):
+                continue
             st = harness.time_graph(op, reps=args.reps)
             t = st["median_us"] if st else float("nan")
             base = t if name == "cublas_fp16" else base
