@@ -810,7 +810,14 @@ __global__ void __launch_bounds__(256, 2)
           const unsigned s = grp * G + i;
           w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
           sc[i] = 0u;
+#ifdef PROBE_NO_LOAD  // (diagnostic: wrong results) no weight loads
+          w[i][0] = make_uint4(s * 0x9E3779B9u ^ c, s * 0x85EBCA6Bu, s + lane, s ^ 0x5bd1e995u);
+          w[i][1] = make_uint4(s * 0x27d4eb2fu, s ^ c, lane * 0x165667b1u + s, s);
+          sc[i] = s * 0x01010101u + lane;
+          if (false) {
+#else
           if ((int)s < nvs) {
+#endif
             w[i][0] = __ldg(pw + s * tstride * 64u);
             w[i][1] = __ldg(pw + s * tstride * 64u + 32);
             sc[i] = __ldg(ps + s * tstride * 32u);
@@ -858,7 +865,11 @@ __global__ void __launch_bounds__(256, 2)
               for (int jp = 0; jp < 8; ++jp) {
                 const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | (6u << 8) | (6u << 12);
                 const unsigned addr = __byte_perm(jp < 4 ? R0 : R1, LB[kk][jp >> 1], sel);
+#ifdef PROBE_NO_LDS  // (diagnostic: wrong results) no table loads
+                v[jp] = __uint_as_float(addr);
+#else
                 asm volatile("ld.shared.f32 %0, [%1+%2];" : "=f"(v[jp]) : "r"(addr), "n"(TABLE_AT));
+#endif
               }
 #pragma unroll
               for (int m = 0; m < 4; ++m) pr[8 * h + 4 * kk + m] = v[2 * m] + v[2 * m + 1];
