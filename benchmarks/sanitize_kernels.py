@@ -34,6 +34,9 @@ parser.add_argument("--define", default=None, metavar="NAME=VALUE[,module.ATTR=V
                     help="the whole run with the kernels built with -DNAME=VALUE and kbit_cupy "
                          "module attributes set (an A/B knob under the sanitizer; define_ab.py's "
                          "syntax, e.g. KBIT_LATENCY_KSPLIT=2,_jit.GEMM_LATENCY_KSPLIT=2)")
+parser.add_argument("--lut", action="store_true",
+                    help="gemm_lut.cu only (k = 2, one row of A, E4M4): odd shapes, and units "
+                         "across row blocks (the SM count patched to 3)")
 args = parser.parse_args()
 args.no_cublas = args.no_cublas or bool(args.only)
 if args.define:
@@ -61,6 +64,23 @@ if args.quick:
     shapes = shapes[:2] + [(33, 768, 2048), (1, 768, 14336), (40, 8449, 96), (128, 700, 1024),
                            (256, 520, 288), (100, 2000, 768), (1, 2048, 768), (16, 2050, 1024)]
 count = 0
+if args.lut:
+    from kbit_cupy import gemm
+
+    for sms in (None, 3):
+        if sms:
+            gemm._sm_count = lambda: 3  # 6 CTAs: units of two row blocks, K ranges split
+        for dtype in (np.float16, BFLOAT16):
+            for N, K_dim in [(1, 32), (17, 256), (1000, 4128), (2051, 96), (20000, 512), (4000, 4128)]:
+                W = cp.asarray(rng.standard_normal((N, K_dim)).astype(np.float32))
+                w = kc.quantize_weight(W, k=2)
+                A = cp.asarray(rng.standard_normal((1, K_dim)).astype(np.float32)).astype(dtype)
+                C = kc.kbit_gemm(A, w, kernel="lut")
+                assert bool(cp.isfinite(C.astype(cp.float32)).all())
+                count += 1
+    cp.cuda.Device().synchronize()
+    print(f"ran {count} cases")
+    raise SystemExit(0)
 if args.large_m:
     from kbit_cupy import gemm
 

@@ -135,6 +135,9 @@ def all_variants() -> list[Variant]:
                         out.append(Variant("gemm_latency", (k, dtype, scale, 1, False, False, 2)))
                     for m_tiles in GEMM_CLUSTER_M_TILES:  # the cluster split (sm_90a)
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, True)))
+    for dtype in ("float16", "bfloat16"):  # k = 2 at M = 1 by table lookups (E4M4 scales)
+        for total in (False, True):
+            out.append(Variant("gemm_lut", gemm_lut_args(dtype, GEMM_LUT_TABLE_AT, total)))
     out += [Variant(v.family, folded) for v in out
             if (folded := cb_fold_variant(v.family, v.args)) is not None]
     out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
@@ -197,6 +200,25 @@ def gemm_prmt_table_bytes(k: int, m_tiles: int, wgs: int, grouped: bool, warps: 
 
 GEMM_LATENCY_M_TILES = (1, 2)  # n8 tiles per gemm_latency launch (M <= 8, 16)
 GEMM_LATENCY_MAX_WARPS = 16  # gemm_latency.cu kLatencyMaxWarps: warps per CTA at most
+# gemm_lut.cu: 16-row tiles a warp takes per unit (S; a row block is 128 S
+# rows), tiles it loads ahead (G), threads per CTA (32 kLutWarps), dynamic
+# shared memory (the 64 KB tables and the 1 KB scale table), and the table's
+# shared-window offset the compile check builds for (gemm.py passes the
+# device's reserved shared memory per block: 1 KB on sm_80 and sm_90).
+# S = 8, G = 2 against 16 / 2, 8 / 4, 12 / 4 (H200, fp16, k = 2, M = 1;
+# results/lut_probe_h200_1259745.md): 8192x57344 51.8 us against 54.6, 54.6,
+# 54.2; 4096x28672 20.1 against 18.8 (224 CTAs of 16 tiles), 20.8, 25.5.
+GEMM_LUT_S = 8
+GEMM_LUT_G = 2
+GEMM_LUT_THREADS = 256
+GEMM_LUT_SHARED = 65536 + 1024
+GEMM_LUT_TABLE_AT = 1024
+
+
+def gemm_lut_args(dtype: str, table_at: int, total: bool) -> tuple:
+    """gemm_lut.cu's template arguments: the lookups (``total`` False) or the
+    sum of their slots into C (True)."""
+    return (GEMM_LUT_S, GEMM_LUT_G, dtype, int(table_at), bool(total))
 # gemm_latency.cu KBIT_LATENCY_KSPLIT: units of work per K tile (1: a warp takes
 # whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
 # half or quarter tiles)

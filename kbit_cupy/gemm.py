@@ -48,7 +48,7 @@ ROWS_PER_TILE = 16  # rows of W per mma tile
 K_PER_TILE = 256  # columns of W per tile: 8 blocks of 32
 BLOCKS_PER_TILE = K_PER_TILE // BLOCK
 ACT_DTYPES = (np.dtype(np.float16), BFLOAT16)
-KERNELS = ("auto", "mma", "wgmma", "latency", "cluster", "dequant")
+KERNELS = ("auto", "mma", "wgmma", "latency", "cluster", "lut", "dequant")
 _MMA_MAX_M = 8 * max(_jit.GEMM_M_TILES)  # rows of A per mma launch
 _WARPS = 4  # per gemm_mma CTA (mma.sync; 8 where _mma_warps says)
 _WIDE_WARPS = 8  # gemm_mma.cu WARPS = 8 (0: never, for A/B runs)
@@ -387,8 +387,10 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         decode with the K tiles split over a thread-block cluster and A
         staged per M chunk, for small layers at tens to hundreds of rows;
         sm_90 GPUs only; ``"auto"`` takes wgmma there instead:
-        benchmarks/NOTES-gemm.md) or ``"dequant"`` (dequantize to a scratch
-        weight, then cuBLAS); ignored for NumPy A.
+        benchmarks/NOTES-gemm.md), ``"lut"`` (k = 2, one row of A, E4M4
+        scales: table lookups of four products at a time; a split-K
+        workspace and a second launch that sums it) or ``"dequant"``
+        (dequantize to a scratch weight, then cuBLAS); ignored for NumPy A.
 
     Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the
     same GPU give the same bits on every call.
@@ -398,6 +400,7 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
     ValueError (A's last dimension is not K_dim; ``out`` shape, dtype or
     layout; unknown ``kernel``; ``kernel="wgmma"`` or ``"cluster"`` on a GPU
     other than sm_90 (``"cluster"`` also without cuLaunchKernelEx);
+    ``kernel="lut"`` for k != 2, fp16 scales or more than one row of A;
     A and weight on different GPUs).
     """
     plans = getattr(weight, "_plans", None)
@@ -505,7 +508,8 @@ class _GemmPlan:
         self.out_nbytes = math.prod(out_shape) * dtype.itemsize
         self.a_strides = _c_strides(out_shape[:-1] + (K_dim,), dtype.itemsize)
         self.M, self.N, self.K_dim = M, N, K_dim
-        self.choice = kernel if kernel != "auto" else choose_kernel(M, N, K_dim, weight.k, dtype)
+        self.choice = kernel if kernel != "auto" else choose_kernel(
+            M, N, K_dim, weight.k, dtype, scale=weight.absmax.dtype.name)
         if self.choice == "cluster" and kernel == "auto" and not _launch.cluster_launch_supported():
             self.choice = "mma"  # sm_90 but a driver without cuLaunchKernelEx
         # M chunks of a Hopper-path launch (_wg_m_chunks; 1: none)
@@ -524,6 +528,11 @@ class _GemmPlan:
         # workspace, stream-K or whole groups)
         self.clusters = []
         self.spare = None  # the last C this plan allocated (see _output)
+        self.lut = None  # gemm_lut.cu's two launches (lookups, sum)
+        if self.choice == "lut":
+            weight.prepare()
+            self.lut = _plan_lut_launches(M, weight, dtype, stream)
+            return
         if self.choice == "dequant":
             nbytes = N * K_dim * dtype.itemsize
             buf = _launch.stream_buffer("dequant", nbytes, stream)
@@ -642,6 +651,13 @@ class _GemmPlan:
                 self.pdl(stream)
             else:
                 _launch_kernel(*single[0], stream, single[1], 0)
+            return C
+        if self.lut is not None:
+            lookups, total = self.lut
+            lookups.set(_LUT_ARG_A, a)
+            total.set(_LUT_ARG_C, c)
+            lookups(stream)
+            total(stream)
             return C
         K_bytes, N_bytes = self.K_dim * self.dtype.itemsize, self.N * self.dtype.itemsize
         if self.scratch is not None:
@@ -929,10 +945,11 @@ def _dispatch(N: int, K_dim: int, k: int, fp16: bool, wgmma: bool,
 
 
 def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None = None,
-                  tbps: float | None = None, sms: int | None = None) -> str:
+                  tbps: float | None = None, sms: int | None = None, scale: str = "uint8") -> str:
     """The kernel ``kernel="auto"`` runs for these sizes ("latency", "cluster",
-    "mma", "wgmma" or "dequant"), from ``DISPATCH_TABLE``. (A "cluster" pick
-    runs mma where the GPU or its driver cannot launch clusters.)
+    "mma", "wgmma", "lut" or "dequant"), from ``DISPATCH_TABLE`` and
+    ``_lut_wins``. (A "cluster" pick runs mma where the GPU or its driver
+    cannot launch clusters.) ``scale``: the weight's absmax dtype name.
 
     ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
     current device (False without a GPU). ``tbps``: the GPU's peak memory
@@ -944,6 +961,8 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         wgmma = _device_has_wgmma()
     if tbps is None:
         tbps = _device_tbps()
+    if _lut_wins(M, N, K_dim, k, scale, bool(wgmma), float(tbps)):
+        return "lut"
     lat_max, cl_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma),
                                                  float(tbps))
     # The latency kernel only in one launch: it stages whole rows of A, so
@@ -958,6 +977,23 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
             and not _mid_slab_chunks_fill(M, N, _device_sms() if sms is None else sms)):
         return "dequant"
     return "mma" if M <= mma_max else "wgmma" if M <= wg_max else "dequant"
+
+
+# gemm_lut.cu (kernel="lut") where "auto" takes it: k = 2, one row of A, E4M4
+# scales, on sm_90 GPUs of at least _FAST_TBPS, layers of at least
+# _LUT_MIN_N rows and _LUT_MIN_WEIGHTS weights. H200, fp16, kernel-only,
+# against what auto ran before, in one process (results/lut_probe_h200_1259745.md,
+# the prototype of the same kernel): 8192x57344 51.8 against 62.2 us (mma),
+# 4096x28672 20.1 against 20.8 (latency), 14336x4096 13.5 against 12.5 (so
+# not there: 4096 rows, each CTA builds its tables for 1024 rows only). Not
+# measured on the H100 (3.35 TB/s), where the mma kernel is nearer the read.
+_LUT_MIN_N = 16384
+_LUT_MIN_WEIGHTS = 1 << 26
+
+
+def _lut_wins(M: int, N: int, K_dim: int, k: int, scale: str, wgmma: bool, tbps: float) -> bool:
+    return (M == 1 and k == 2 and scale == "uint8" and wgmma and tbps >= _FAST_TBPS
+            and N >= _LUT_MIN_N and N * K_dim >= _LUT_MIN_WEIGHTS)
 
 
 # The last wave's fill from which a mid layer's slab chunks beat dequantize +
@@ -1427,6 +1463,80 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
 # at most this many bytes of them per launch (the rest of a CTA's shared
 # memory: the pair table, up to 33 KB, and the warps' partial tiles).
 _LATENCY_STAGE_BYTES = 64 * 1024
+
+
+# gemm_lut.cu's parameters that change per call: A (the lookups), C (the sum)
+_LUT_ARG_A, _LUT_ARG_C = 3, 5
+_LUT_ARG_TYPES = (_launch.POINTER,) * 6 + (_launch.INT32,) * 6
+
+
+def _reserved_shared() -> int | None:
+    """Shared memory the driver reserves per CTA (bytes) before the dynamic
+    allocation: where gemm_lut.cu's tables start in the shared window. None
+    where the device does not say."""
+    value = _attributes().get("ReservedSharedMemoryPerBlock")
+    if value is None:
+        import cupy
+
+        attr = getattr(cupy.cuda.runtime, "cudaDevAttrReservedSharedMemoryPerBlock", None)
+        if attr is None:
+            return None
+        value = cupy.cuda.runtime.deviceGetAttribute(attr, _launch.current_device())
+    return int(value)
+
+
+def lut_units(N: int, K_dim: int) -> tuple[int, int]:
+    """(row blocks, units) of gemm_lut.cu for a [N, K_dim] weight: row blocks
+    of 128 * GEMM_LUT_S rows, one unit per (row block, K tile)."""
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    row_blocks = math.ceil(rt_n / (8 * _jit.GEMM_LUT_S))
+    return row_blocks, row_blocks * kt_n
+
+
+def lut_slots(row_blocks: int, k_tiles: int, ctas: int) -> int:
+    """Partial-sum slots a row of gemm_lut.cu's workspace needs: the most CTAs
+    that share one row block when ``row_blocks * k_tiles`` units are spread
+    over ``ctas`` CTAs (kernels_src/gemm_lut.cu lut_cta_of)."""
+    units = row_blocks * k_tiles
+
+    def cta_of(u: int) -> int:
+        return ((u + 1) * ctas - 1) // units
+
+    return max(cta_of(rb * k_tiles + k_tiles - 1) - cta_of(rb * k_tiles) + 1
+               for rb in range(row_blocks))
+
+
+def _plan_lut_launches(M: int, weight: KbitWeight, dtype, stream: int):
+    """gemm_lut.cu's lookups and sum for one row of A (A and C set per call).
+    ValueError where the weight or A is not what it takes."""
+    if weight.k != 2:
+        raise ValueError(f"kernel='lut' runs k = 2 weights only, this one has k={weight.k}; "
+                         "use kernel='auto'")
+    if weight.absmax.dtype != np.uint8:
+        raise ValueError("kernel='lut' reads E4M4 (uint8) scales, this weight has fp16 absmax; "
+                         "use kernel='auto'")
+    if M != 1:
+        raise ValueError(f"kernel='lut' multiplies one row of A, got {M}; use kernel='auto'")
+    table_at = _reserved_shared()  # (the kernel checks it against its shared window at entry)
+    if table_at is None:
+        raise ValueError("kernel='lut' needs the device's reserved shared memory per block, "
+                         "which this device does not report; use kernel='auto'")
+    N, K_dim = weight.shape
+    tiles, scales = weight._tiles
+    rt_n, kt_n = _tile_counts(N, K_dim)
+    lookups_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, False))
+    total_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, True))
+    per_sm = launch_ctas_per_sm(lookups_k, _jit.GEMM_LUT_THREADS, _jit.GEMM_LUT_SHARED)
+    if per_sm < 1:
+        raise ValueError("kernel='lut' needs 65 KB of shared memory per CTA; use kernel='auto'")
+    row_blocks, units = lut_units(N, K_dim)
+    ctas = min(per_sm * _sm_count(), units)
+    part = _workspace(lut_slots(row_blocks, kt_n, ctas) * N, stream)
+    values = (tiles, scales, weight.codebook, 0, part, 0, N, K_dim, kt_n, rt_n, units, ctas)
+    lookups = _launch.Launch(lookups_k, (ctas,), (_jit.GEMM_LUT_THREADS,), _jit.GEMM_LUT_SHARED,
+                             _LUT_ARG_TYPES, values)
+    total = _launch.Launch(total_k, (math.ceil(N / 256),), (256,), 0, _LUT_ARG_TYPES, values)
+    return lookups, total
 
 
 def _latency_rows(K_dim: int, itemsize: int) -> int:

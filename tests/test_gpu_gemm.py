@@ -791,3 +791,77 @@ def test_wgmma_without_tensor_maps_falls_back_to_128_row_launches(monkeypatch):
                         lambda M, *args: (calls.append(M), real(M, *args))[1])
     run_case(200, 300, 512, 4, np.float16, "wgmma")
     assert calls == [128, 72]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, K_dim", [(1, 32), (17, 256), (1000, 4128), (2051, 96), (20000, 512)])
+def test_lut_kernel_against_float64(dtype, N, K_dim):
+    """kernel="lut" (k = 2, one row of A): within the contract at odd shapes
+    (one row, 17 rows, K_dim of one block, K tiles past K_dim, row blocks past
+    N), every element written, the same bits on a second call."""
+    import cupy as cp
+
+    w, A, C = run_case(1, N, K_dim, 2, dtype, "lut")
+    again = kbit_gemm(cp.asarray(A), w, kernel="lut")
+    assert np.array_equal(cp.asnumpy(C).view(np.uint16), cp.asnumpy(again).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lut_kernel_units_across_row_blocks(monkeypatch, dtype):
+    """With few CTAs (the SM count patched to 3: 6 CTAs for 4 row blocks x 17
+    K tiles) a CTA takes units of two row blocks and a row block's K range is
+    split over two CTAs (slots): within the contract, and near the launch of
+    one CTA a unit (the sums' order differs)."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    N, K_dim = 4000, 4128
+    rows, units = gemm.lut_units(N, K_dim)
+    assert (rows, units) == (4, 68)
+    assert gemm.lut_slots(rows, 17, 6) == 2
+    ref_w, A, C_many = run_case(1, N, K_dim, 2, dtype, "lut", seed=3)
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 3)
+    ref_w._plans.clear()
+    C_few = kbit_gemm(cp.asarray(A), ref_w, kernel="lut")
+    ref = A.astype(np.float64) @ cp.asnumpy(ref_w.dequantize(np.float32)).astype(np.float64).T
+    host = cp.asnumpy(C_few).astype(np.float64)
+    assert np.linalg.norm(host - ref) / np.linalg.norm(ref) <= TOL[np.dtype(dtype)]
+    diff = np.abs(host - cp.asnumpy(C_many).astype(np.float64))
+    assert diff.max() <= 1e-2 * np.abs(ref).max()
+
+
+def test_lut_kernel_refuses_what_it_cannot_run():
+    import cupy as cp
+
+    rng = np.random.default_rng(0)
+    W = cp.asarray(rng.standard_normal((64, 256)).astype(np.float32))
+    A1 = cp.asarray(rng.standard_normal((1, 256)).astype(np.float16))
+    with pytest.raises(ValueError, match="k = 2"):
+        kbit_gemm(A1, quantize_weight(W, k=4), kernel="lut")
+    with pytest.raises(ValueError, match="fp16 absmax"):
+        kbit_gemm(A1, quantize_weight(W, k=2, absmax_format="fp16"), kernel="lut")
+    with pytest.raises(ValueError, match="one row of A"):
+        kbit_gemm(cp.concatenate([A1, A1]), quantize_weight(W, k=2), kernel="lut")
+
+
+def test_lut_kernel_in_a_cuda_graph():
+    """The lookups and their sum capture into a graph and replay to the same bits."""
+    import cupy as cp
+
+    rng = np.random.default_rng(5)
+    w = quantize_weight(cp.asarray(rng.standard_normal((3000, 2048)).astype(np.float32)), k=2)
+    A = cp.asarray(rng.standard_normal((1, 2048)).astype(np.float16))
+    out = cp.full((1, 3000), np.nan, dtype=np.float16)
+    eager = cp.asnumpy(kbit_gemm(A, w, kernel="lut"))
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        kbit_gemm(A, w, out=out, kernel="lut")  # the plan for this stream, outside the capture
+        stream.begin_capture()
+        kbit_gemm(A, w, out=out, kernel="lut")
+        graph = stream.end_capture()
+        out.fill(np.nan)
+        graph.launch(stream)
+    stream.synchronize()
+    assert np.array_equal(cp.asnumpy(out).view(np.uint16), eager.view(np.uint16))
