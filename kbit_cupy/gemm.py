@@ -388,8 +388,8 @@ def kbit_gemm(A, weight: KbitWeight, out=None, kernel: str = "auto"):
         staged per M chunk, for small layers at tens to hundreds of rows;
         sm_90 GPUs only; ``"auto"`` takes wgmma there instead:
         benchmarks/NOTES-gemm.md), ``"lut"`` (k = 2, one row of A, E4M4
-        scales: table lookups of four products at a time, split K through
-        a workspace) or ``"dequant"``
+        scales: table lookups of four products at a time; a split-K
+        workspace and a second launch that sums it) or ``"dequant"``
         (dequantize to a scratch weight, then cuBLAS); ignored for NumPy A.
 
     Returns ``C`` of shape ``[..., N]`` and A's dtype. The same inputs on the
@@ -528,10 +528,10 @@ class _GemmPlan:
         # workspace, stream-K or whole groups)
         self.clusters = []
         self.spare = None  # the last C this plan allocated (see _output)
-        self.lut = None  # gemm_lut.cu's launch
+        self.lut = None  # gemm_lut.cu's two launches (lookups, sum)
         if self.choice == "lut":
             weight.prepare()
-            self.lut = _plan_lut_launch(M, weight, dtype, stream)
+            self.lut = _plan_lut_launches(M, weight, dtype, stream)
             return
         if self.choice == "dequant":
             nbytes = N * K_dim * dtype.itemsize
@@ -653,9 +653,11 @@ class _GemmPlan:
                 _launch_kernel(*single[0], stream, single[1], 0)
             return C
         if self.lut is not None:
-            self.lut.set(_LUT_ARG_A, a)
-            self.lut.set(_LUT_ARG_C, c)
-            self.lut(stream)
+            lookups, total = self.lut
+            lookups.set(_LUT_ARG_A, a)
+            total.set(_LUT_ARG_C, c)
+            lookups(stream)
+            total(stream)
             return C
         K_bytes, N_bytes = self.K_dim * self.dtype.itemsize, self.N * self.dtype.itemsize
         if self.scratch is not None:
@@ -1465,9 +1467,9 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
 _LATENCY_STAGE_BYTES = 64 * 1024
 
 
-# gemm_lut.cu's parameters that change per call: A and C
+# gemm_lut.cu's parameters that change per call: A (the lookups), C (the sum)
 _LUT_ARG_A, _LUT_ARG_C = 3, 5
-_LUT_ARG_TYPES = (_launch.POINTER,) * 7 + (_launch.INT32,) * 6
+_LUT_ARG_TYPES = (_launch.POINTER,) * 6 + (_launch.INT32,) * 6
 
 
 def _reserved_shared() -> int | None:
@@ -1506,8 +1508,8 @@ def lut_slots(row_blocks: int, k_tiles: int, ctas: int) -> int:
                for rb in range(row_blocks))
 
 
-def _plan_lut_launch(M: int, weight: KbitWeight, dtype, stream: int):
-    """gemm_lut.cu's launch for one row of A (A and C set per call).
+def _plan_lut_launches(M: int, weight: KbitWeight, dtype, stream: int):
+    """gemm_lut.cu's lookups and sum for one row of A (A and C set per call).
     ValueError where the weight or A is not what it takes."""
     if weight.k != 2:
         raise ValueError(f"kernel='lut' runs k = 2 weights only, this one has k={weight.k}; "
@@ -1524,18 +1526,19 @@ def _plan_lut_launch(M: int, weight: KbitWeight, dtype, stream: int):
     N, K_dim = weight.shape
     tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
-    kern = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at))
-    per_sm = launch_ctas_per_sm(kern, _jit.GEMM_LUT_THREADS, _jit.GEMM_LUT_SHARED)
+    lookups_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, False))
+    total_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, True))
+    per_sm = launch_ctas_per_sm(lookups_k, _jit.GEMM_LUT_THREADS, _jit.GEMM_LUT_SHARED)
     if per_sm < 1:
         raise ValueError("kernel='lut' needs 65 KB of shared memory per CTA; use kernel='auto'")
     row_blocks, units = lut_units(N, K_dim)
     ctas = min(per_sm * _sm_count(), units)
     part = _workspace(lut_slots(row_blocks, kt_n, ctas) * N, stream)
-    # one counter per (row block, warp): the warp of its last slot adds them into C
-    counters = _counters(row_blocks * _jit.GEMM_LUT_THREADS // 32, stream)
-    values = (tiles, scales, weight.codebook, 0, part, 0, counters, N, K_dim, kt_n, rt_n, units, ctas)
-    return _launch.Launch(kern, (ctas,), (_jit.GEMM_LUT_THREADS,), _jit.GEMM_LUT_SHARED,
-                          _LUT_ARG_TYPES, values)
+    values = (tiles, scales, weight.codebook, 0, part, 0, N, K_dim, kt_n, rt_n, units, ctas)
+    lookups = _launch.Launch(lookups_k, (ctas,), (_jit.GEMM_LUT_THREADS,), _jit.GEMM_LUT_SHARED,
+                             _LUT_ARG_TYPES, values)
+    total = _launch.Launch(total_k, (math.ceil(N / 256),), (256,), 0, _LUT_ARG_TYPES, values)
+    return lookups, total
 
 
 def _latency_rows(K_dim: int, itemsize: int) -> int:

@@ -17,11 +17,10 @@
 // a CTA may finish one row block's K range and start the next one's. For each
 // unit the CTA builds the K tile's tables (64 groups x 256 entries, 64 KB of
 // shared memory), then its 8 warps take one 16-row tile of W each a step
-// (tile rb * 8 S + 8 s + warp). At a row block's last unit in the CTA each
-// warp writes its partial sums to slot (x - first CTA of rb) of the
-// workspace, part[slot][row], and counts itself in counters[rb * 8 + warp];
-// the warp that completes the count adds the slots of its rows in slot order
-// (a fixed order: the same bits on every call) into C and resets the counter.
+// (tile rb * 8 S + 8 s + warp). At a row block's last unit in the CTA the
+// partial sums go to slot (x - first CTA of rb) of the workspace: part[slot][row].
+// kbit_gemm_lut<..., SUM = true> then adds row n's slots in slot order into
+// C (a fixed order: the same bits on every call).
 //
 // Tile layout (per 16 x 256 tile, 1 KB): word (kk, 4g + t, q) holds block
 // j = 4 kk + q of rows g (bytes 0, 1) and g + 8 (bytes 2, 3); byte ph of a
@@ -87,26 +86,26 @@ __device__ __forceinline__ int lut_cta_of(long long u, long long units, long lon
   return (int)(((u + 1) * ctas - 1) / units);
 }
 
-// A release-acquire add at GPU scope (the split-K count; gemm_mma.cu's form:
-// the warp's stores before it are ordered by a __syncwarp, a release being
-// cumulative).
-__device__ __forceinline__ int lut_count(int* addr) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(addr) : "memory");
-  return old;
-}
-
 template <int S,         // 16-row tiles a warp takes per unit (rows per row block: 128 S)
           int G,         // tiles a warp loads ahead, twice (two register groups)
           typename T,    // activations and C: __half or __nv_bfloat16
-          int TABLE_AT>  // shared-window offset of the dynamic shared memory
+          int TABLE_AT,  // shared-window offset of the dynamic shared memory
+          bool SUM>      // false: the lookups into part; true: part's slots into C
 __global__ void __launch_bounds__(32 * kLutWarps, 2)
     kbit_gemm_lut(const uint4* __restrict__ tiles, const unsigned* __restrict__ scales,
                   const float* __restrict__ codebook, const T* __restrict__ A, float* __restrict__ part,
-                  T* __restrict__ C, int* __restrict__ counters, int N, int K_dim, int kt_n, int rt_n,
-                  int units, int ctas) {
+                  T* __restrict__ C, int N, int K_dim, int kt_n, int rt_n, int units, int ctas) {
   static_assert(S % G == 0, "whole load groups");
-  {
+  if constexpr (SUM) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    const long long rb = n / (128 * S);
+    const int first = lut_cta_of(rb * kt_n, units, ctas), last = lut_cta_of(rb * kt_n + kt_n - 1, units, ctas);
+    float s = 0.0f;
+    for (int slot = 0; slot <= last - first; ++slot) s += part[(long long)slot * N + n];
+    C[n] = from_float<T>(s);
+    return;
+  } else {
     extern __shared__ __align__(16) float smem[];  // the tables, then the scale decode table
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int u0 = (int)((long long)blockIdx.x * units / ctas);
@@ -229,33 +228,12 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         }
       }
       // the row block's partial sums: lanes t and t ^ 1 hold the two block halves
-      const int first = lut_cta_of((long long)rb * kt_n, units, ctas);
-      const int slots = lut_cta_of((long long)rb * kt_n + kt_n - 1, units, ctas) - first + 1;
-      const int slot = (int)blockIdx.x - first;
+      const int slot = (int)blockIdx.x - lut_cta_of((long long)rb * kt_n, units, ctas);
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         const float v = acc[s] + __shfl_xor_sync(kFullMask, acc[s], 1);
         const int row = (tile0 + kLutWarps * s) * 16 + g + 8 * (t >> 1);
         if ((t & 1) == 0 && row < N) part[(long long)slot * N + row] = v;
-      }
-      // the warp that completes its rows' count adds their slots in order
-      int* counter = counters + rb * kLutWarps + warp;
-      __syncwarp();
-      int done = 0;
-      if (lane == 0) done = lut_count(counter) + 1;
-      done = __shfl_sync(kFullMask, done, 0);
-      if (done == slots) {
-        __syncwarp();  // lane 0's acquire, before every lane's loads of the partials
-#pragma unroll
-        for (int s = 0; s < S; ++s) {  // rows of tile tile0 + 8 s: lane takes rows lane and lane ^ 16's
-          const int row0 = (tile0 + kLutWarps * s) * 16;
-          if (lane < 16 && row0 + lane < N) {
-            float sum = 0.0f;
-            for (int sl = 0; sl < slots; ++sl) sum += __ldcg(part + (long long)sl * N + row0 + lane);
-            C[row0 + lane] = from_float<T>(sum);
-          }
-        }
-        if (lane == 0) *counter = 0;  // ready for the next launch on this stream
       }
       ub = (rb + 1) * kt_n;
     }
