@@ -51,6 +51,14 @@ namespace kbit {
 constexpr int kLutWarps = 8;           // _jit.py mirrors it (GEMM_LUT_THREADS = 32 * kLutWarps)
 constexpr int kLutTableBytes = 65536;  // 64 groups x 256 entries x 4 bytes
 constexpr int kLutScaleBytes = 1024;   // the E4M4 decode table (256 floats), after it
+// The next unit's first tiles loaded during this unit's last ones (and so
+// across the table build): sm_90 only, where it fits 128 registers (sm_80
+// spills 32 bytes; there each unit loads its first tiles before its build).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kLutNextUnit = true;
+#else
+constexpr bool kLutNextUnit = false;
+#endif
 
 // The order in which lane (g, t) takes its 8 (q, ph) groups of a (kk, row):
 // lookup jp = 2m + e is q = (m + (g >> 1)) & 3, ph = e ^ (g & 1). The 8 lanes
@@ -113,8 +121,14 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
     if (tid == 0 && (unsigned)__cvta_generic_to_shared(smem) != (unsigned)TABLE_AT) __trap();
     smem[kLutTableBytes / 4 + tid] = e4m4_decode((unsigned)tid);  // 256 threads, 256 codes
     const int g = lane >> 2, t = lane & 3;
-    // byte-permute selectors: R0 / R1 = the row's group bytes in lookup order;
-    // LB[kk][p]: the group offsets (4 G) of lookups 2p and 2p + 1 in bytes 0, 1
+    // Each lane takes its own row (g + 8 (t >> 1)) and its own K half (kk = t & 1)
+    // as "mine" and the others as "theirs": the two shuffle rounds below then
+    // send "theirs" and keep "mine" without selects. row_sel[0] gathers mine's
+    // bytes, row_sel[1] theirs'; w[0] is loaded from kk = t & 1.
+    const unsigned row_sel[2] = {(t >> 1) ? 0x7632u : 0x5410u, (t >> 1) ? 0x5410u : 0x7632u};
+    // byte-permute selectors: R0 / R1 = a row's group bytes in lookup order;
+    // LB[x][p]: the group offsets (4 G) of lookups 2p and 2p + 1 in bytes 0, 1
+    // of K half x (0: mine)
     unsigned order_lo = 0, order_hi = 0, LB[2][4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -123,9 +137,10 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
     }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      LB[0][p] = (unsigned)(4 * (8 * t + lookup_group(2 * p, g))) |
-                 ((unsigned)(4 * (8 * t + lookup_group(2 * p + 1, g))) << 8);
-      LB[1][p] = LB[0][p] | 0x8080u;  // kk = 1: groups 32..63
+      const unsigned lb = (unsigned)(4 * (8 * t + lookup_group(2 * p, g))) |
+                          ((unsigned)(4 * (8 * t + lookup_group(2 * p + 1, g))) << 8);
+      LB[0][p] = (t & 1) ? lb | 0x8080u : lb;  // kk = 1: groups 32..63
+      LB[1][p] = (t & 1) ? lb : lb | 0x8080u;
     }
     // the scale word's byte q to byte (q - (g >> 1)) & 3: the order of the pair sums
     unsigned scale_order = 0;
@@ -135,107 +150,115 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
     // table building: thread (group gg, quarter q4) writes entries q4 * 64 .. + 63 of group gg
     const int gg = lane + 32 * (warp & 1), q4 = warp >> 1;
     const int scale_word = ((g + 8 * (t >> 1)) * 8 + 4 * (t & 1)) >> 2;  // of a tile's 32
+    const int lane_word = lane + 32 * (t & 1);                           // w[0]'s 16 bytes (w[1]: ^ 32)
+    const unsigned step_tiles = kLutWarps * (unsigned)kt_n;              // tiles between a warp's steps
+
+    // The loads of unit u's group grp into one of two register groups. The
+    // first group of the next unit is loaded during the last group of this
+    // one (kLutNextUnit).
+    uint4 wv[2][G][2];
+    unsigned sv[2][G];
+    auto load_group = [&](int u, int grp, uint4 (*w)[2], unsigned* sc) {
+      const int rb = u / kt_n, c = u - rb * kt_n;
+      const int tile0 = rb * kLutWarps * S + warp;
+      const int steps = (rt_n - tile0 + kLutWarps - 1) / kLutWarps;  // tiles of this warp that exist
+      const uint4* w_ptr = tiles + ((long long)tile0 * kt_n + c) * 64 + lane_word;
+      const uint4* w_ptr1 = w_ptr + ((t & 1) ? -32 : 32);  // the other K half
+      const unsigned* s_ptr = scales + ((long long)tile0 * kt_n + c) * 32 + scale_word;
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const unsigned s = grp * G + i;
+        w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
+        sc[i] = 0u;
+        if ((int)s < steps) {
+          w[i][0] = __ldg(w_ptr + s * step_tiles * 64u);
+          w[i][1] = __ldg(w_ptr1 + s * step_tiles * 64u);
+          sc[i] = __ldg(s_ptr + s * step_tiles * 32u);
+        }
+      }
+    };
+    static_assert((S / G) % 2 == 0, "a unit starts in register group 0");
+    if (u0 < u1) load_group(u0, 0, wv[0], sv[0]);
 
     float acc[S];
-    for (int ub = u0; ub < u1;) {
-      const int rb = ub / kt_n, c_end = min(u1 - rb * kt_n, kt_n);
-      const int tile0 = rb * kLutWarps * S + warp;               // + 8 s
-      const int steps = (rt_n - tile0 + kLutWarps - 1) / kLutWarps;  // tiles of this warp that exist
+    for (int u = u0; u < u1; ++u) {
+      const int rb = u / kt_n, c = u - rb * kt_n;
+      if (u == u0 || c == 0) {
 #pragma unroll
-      for (int s = 0; s < S; ++s) acc[s] = 0.0f;
-      for (int c = ub - rb * kt_n; c < c_end; ++c) {
-        uint4 wv[2][G][2];
-        unsigned sv[2][G];
-        const uint4* w_ptr = tiles + ((long long)tile0 * kt_n + c) * 64 + lane;
-        const unsigned* s_ptr = scales + ((long long)tile0 * kt_n + c) * 32 + scale_word;
-        const unsigned step_tiles = kLutWarps * (unsigned)kt_n;  // tiles between a warp's steps
-        auto load_group = [&](int grp, uint4 (*w)[2], unsigned* sc) {
-#pragma unroll
-          for (int i = 0; i < G; ++i) {
-            const unsigned s = grp * G + i;
-            w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
-            sc[i] = 0u;
-            if ((int)s < steps) {
-              w[i][0] = __ldg(w_ptr + s * step_tiles * 64u);
-              w[i][1] = __ldg(w_ptr + s * step_tiles * 64u + 32);
-              sc[i] = __ldg(s_ptr + s * step_tiles * 32u);
-            }
-          }
-        };
-        load_group(0, wv[0], sv[0]);  // (before the build: they need no table)
-        __syncthreads();              // the previous unit's lookups are done
-        {
-          const int kk = gg >> 5, tb = (gg >> 3) & 3, q = (gg >> 1) & 3, ph = gg & 1;
-          const int col = c * 256 + 32 * (4 * kk + q) + 16 * ph + 2 * tb;
-          float2 x01 = make_float2(0.f, 0.f), x23 = make_float2(0.f, 0.f);
-          if (col < K_dim) {  // (K_dim % 32 == 0: a group is wholly in or out)
-            x01 = load_pair(A + col);
-            x23 = load_pair(A + col + 8);
-          }
-          const float cb[4] = {cb0, cb1, cb2, cb3};
-          float p01[16];  // codes (a & 3, a >> 2) of columns 0 and 1
-#pragma unroll
-          for (int a = 0; a < 16; ++a) p01[a] = x01.x * cb[a & 3] + x01.y * cb[a >> 2];
-          const float x3c = x23.y * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
-          const float p23[4] = {x23.x * cb0 + x3c, x23.x * cb1 + x3c, x23.x * cb2 + x3c, x23.x * cb3 + x3c};
-#pragma unroll
-          for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = p01[ii & 15] + p23[ii >> 4];
+        for (int s = 0; s < S; ++s) acc[s] = 0.0f;
+      }
+      if (!kLutNextUnit && u > u0) load_group(u, 0, wv[0], sv[0]);
+      __syncthreads();  // the previous unit's lookups are done
+      {
+        const int kk = gg >> 5, tb = (gg >> 3) & 3, q = (gg >> 1) & 3, ph = gg & 1;
+        const int col = c * 256 + 32 * (4 * kk + q) + 16 * ph + 2 * tb;
+        float2 x01 = make_float2(0.f, 0.f), x23 = make_float2(0.f, 0.f);
+        if (col < K_dim) {  // (K_dim % 32 == 0: a group is wholly in or out)
+          x01 = load_pair(A + col);
+          x23 = load_pair(A + col + 8);
         }
-        __syncthreads();
+        const float cb[4] = {cb0, cb1, cb2, cb3};
+        float p01[16];  // codes (a & 3, a >> 2) of columns 0 and 1
 #pragma unroll
-        for (int grp = 0; grp < S / G; ++grp) {
-          const int cur = grp & 1;
-          if (grp + 1 < S / G) load_group(grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
+        for (int a = 0; a < 16; ++a) p01[a] = x01.x * cb[a & 3] + x01.y * cb[a >> 2];
+        const float x3c = x23.y * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
+        const float p23[4] = {x23.x * cb0 + x3c, x23.x * cb1 + x3c, x23.x * cb2 + x3c, x23.x * cb3 + x3c};
 #pragma unroll
-          for (int i = 0; i < G; ++i) {
-            float pair[16];  // index 8 h + 4 kk + m: row g + 8h, block 4 kk + ((m + (g >> 1)) & 3)
+        for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = p01[ii & 15] + p23[ii >> 4];
+      }
+      __syncthreads();
 #pragma unroll
-            for (int kk = 0; kk < 2; ++kk) {
-              const uint4 w = wv[cur][i][kk];
+      for (int grp = 0; grp < S / G; ++grp) {
+        const int cur = grp & 1;
+        if (grp + 1 < S / G) load_group(u, grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
+        else if (kLutNextUnit && u + 1 < u1) load_group(u + 1, 0, wv[cur ^ 1], sv[cur ^ 1]);
 #pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const unsigned X0 = __byte_perm(w.x, w.y, h ? 0x7632 : 0x5410);  // groups q = 0, 1
-                const unsigned X1 = __byte_perm(w.z, w.w, h ? 0x7632 : 0x5410);  // q = 2, 3
-                const unsigned R0 = __byte_perm(X0, X1, order_lo), R1 = __byte_perm(X0, X1, order_hi);
-                float v[8];
+        for (int i = 0; i < G; ++i) {
+          float pair[16];  // index 8 x + 4 y + m: row x (0: mine), K half y (0: mine), block m in lookup order
 #pragma unroll
-                for (int jp = 0; jp < 8; ++jp) {
-                  // byte 0: the group offset, byte 1: the index, bytes 2, 3: zero (LB's)
-                  const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | 0x6600u;
-                  v[jp] = lut_load<TABLE_AT>(__byte_perm(jp < 4 ? R0 : R1, LB[kk][jp >> 1], sel));
-                }
+          for (int y = 0; y < 2; ++y) {
+            const uint4 w = wv[cur][i][y];
 #pragma unroll
-                for (int m = 0; m < 4; ++m) pair[8 * h + 4 * kk + m] = v[2 * m] + v[2 * m + 1];
+            for (int x = 0; x < 2; ++x) {
+              const unsigned X0 = __byte_perm(w.x, w.y, row_sel[x]);  // groups q = 0, 1
+              const unsigned X1 = __byte_perm(w.z, w.w, row_sel[x]);  // q = 2, 3
+              const unsigned R0 = __byte_perm(X0, X1, order_lo), R1 = __byte_perm(X0, X1, order_hi);
+              float v[8];
+#pragma unroll
+              for (int jp = 0; jp < 8; ++jp) {
+                // byte 0: the group offset, byte 1: the index, bytes 2, 3: zero (LB's)
+                const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | 0x6600u;
+                v[jp] = lut_load<TABLE_AT>(__byte_perm(jp < 4 ? R0 : R1, LB[y][jp >> 1], sel));
               }
-            }
-            // over t: xor 2 keeps row h = t >> 1, xor 1 keeps kk = t & 1
-            float r8[8];
 #pragma unroll
-            for (int m = 0; m < 8; ++m) {
-              const float mine = (t >> 1) ? pair[8 + m] : pair[m], theirs = (t >> 1) ? pair[m] : pair[8 + m];
-              r8[m] = mine + __shfl_xor_sync(kFullMask, theirs, 2);
+              for (int m = 0; m < 4; ++m) pair[8 * x + 4 * y + m] = v[2 * m] + v[2 * m + 1];
             }
-            const unsigned sw = __byte_perm(sv[cur][i], 0u, scale_order);
-            float a = acc[grp * G + i];
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-              const float mine = (t & 1) ? r8[4 + m] : r8[m], theirs = (t & 1) ? r8[m] : r8[4 + m];
-              const float r = mine + __shfl_xor_sync(kFullMask, theirs, 1);
-              a = fmaf(r, lut_load<TABLE_AT>(kLutTableBytes + (((sw >> (8 * m)) & 255u) << 2)), a);
-            }
-            acc[grp * G + i] = a;
           }
+          // over t: xor 2 (the other row's lanes) then xor 1 (the other K half's)
+          float r8[8];
+#pragma unroll
+          for (int m = 0; m < 8; ++m) r8[m] = pair[m] + __shfl_xor_sync(kFullMask, pair[8 + m], 2);
+          const unsigned sw = __byte_perm(sv[cur][i], 0u, scale_order);
+          float a = acc[grp * G + i];
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const float r = r8[m] + __shfl_xor_sync(kFullMask, r8[4 + m], 1);
+            a = fmaf(r, lut_load<TABLE_AT>(kLutTableBytes + (((sw >> (8 * m)) & 255u) << 2)), a);
+          }
+          acc[grp * G + i] = a;
         }
       }
-      // the row block's partial sums: lanes t and t ^ 1 hold the two block halves
-      const int slot = (int)blockIdx.x - lut_cta_of((long long)rb * kt_n, units, ctas);
+      if (u == u1 - 1 || c == kt_n - 1) {
+        // the row block's partial sums: lanes t and t ^ 1 hold the two block halves
+        const int tile0 = rb * kLutWarps * S + warp;
+        const int slot = (int)blockIdx.x - lut_cta_of((long long)rb * kt_n, units, ctas);
 #pragma unroll
-      for (int s = 0; s < S; ++s) {
-        const float v = acc[s] + __shfl_xor_sync(kFullMask, acc[s], 1);
-        const int row = (tile0 + kLutWarps * s) * 16 + g + 8 * (t >> 1);
-        if ((t & 1) == 0 && row < N) part[(long long)slot * N + row] = v;
+        for (int s = 0; s < S; ++s) {
+          const float v = acc[s] + __shfl_xor_sync(kFullMask, acc[s], 1);
+          const int row = (tile0 + kLutWarps * s) * 16 + g + 8 * (t >> 1);
+          if ((t & 1) == 0 && row < N) part[(long long)slot * N + row] = v;
+        }
       }
-      ub = (rb + 1) * kt_n;
     }
   }
 }
