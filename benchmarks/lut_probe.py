@@ -109,6 +109,31 @@ def bal_op(f, reduce_bal, grid: int, smem, w, A, part, C, units: int, rows_per_r
     return op
 
 
+def checked(ops: dict, layer: str, ref, exact, name: str, op, detail: str) -> None:
+    """op's relative error against the mma kernel's ``ref`` and float64's
+    ``exact`` (None: not computed), and whether a repeat gives the same bits,
+    printed; op kept in ``ops`` under ``name``."""
+    import cupy as cp
+
+    got = op().astype(cp.float32)
+    err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+    ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
+          if exact is not None else float("nan"))
+    bits = bool(cp.array_equal(op(), op()))
+    print(f"{layer} {name}: {detail}, rel err vs mma {err:.2e}, "
+          f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
+    ops[name] = op
+
+
+def split_grid(row_blocks: int, k_units: int, sp: int, sms: int) -> tuple[int, int]:
+    """(splits, K units a split) of ``k_units``: ``sp`` splits, or where 0
+    enough that row_blocks x splits fills 2 CTAs an SM (at most one wave)."""
+    if sp == 0:
+        sp = max(1, (2 * sms) // row_blocks)
+    cps = -(-k_units // min(sp, k_units))
+    return -(-k_units // cps), cps
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", nargs="+", default=LAYERS, help="K_dimxN")
@@ -157,7 +182,7 @@ def main() -> int:
     for f in vkerns.values():
         f.max_dynamic_shared_size_bytes = smem
     reduce_bal = mod.get_function("lut_reduce_bal")
-    from kbit_cupy.gemm import launch_ctas_per_sm
+    from kbit_cupy.gemm import launch_ctas_per_sm, lut_slots
     rkerns = {}
     for S, D in RING:
         f = mod.get_function(f"lut_k2_ring<{S}, {D}>")
@@ -196,102 +221,39 @@ def main() -> int:
         for cfg, f in kerns.items():
             S = cfg[0]
             row_blocks = -(-N // (32 * S))
-            for sp in args.splits:
-                if sp == 0:  # splits so that row_blocks * splits fills 2 CTAs an SM (at most one wave)
-                    sp = max(1, (2 * sms) // row_blocks)
-                sp = min(sp, chunks)
-                cps = -(-chunks // sp)
-                sp = -(-chunks // cps)
+            for sp0 in args.splits:
+                sp, cps = split_grid(row_blocks, chunks, sp0, sms)
                 part = cp.full((sp, N), np.nan, cp.float32)
                 C = cp.full((1, N), np.nan, cp.float16)
-
                 op = lut_op(f, reduce_k, (row_blocks, sp), smem if len(cfg) == 2 else staged_smem(*cfg[1:]),
                             w, A, part, C, cps, chunks, packed, absmax)
-                got = op().astype(cp.float32)
-                err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
-                ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
-                      if exact is not None else float("nan"))
-                bits = bool(cp.array_equal(op(), op()))
                 name = (f"lut S={S} G={cfg[1]} splits={sp}" if len(cfg) == 2
                         else f"staged S={S} T={cfg[1]} NST={cfg[2]} splits={sp}")
-                print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
-                      f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
-                ops[name] = op
+                checked(ops, layer, ref, exact, name, op, f"grid {row_blocks}x{sp}")
         rt_n, kt_n = w._tiles[0].shape[:2]
         for cfg, f in tkerns.items():
             S = cfg[0]
             row_blocks = -(-rt_n // (4 * S))
-            sp = max(1, (2 * sms) // row_blocks)
-            sp = min(sp, kt_n)
-            cps = -(-kt_n // sp)
-            sp = -(-kt_n // cps)
+            sp, cps = split_grid(row_blocks, kt_n, 0, sms)
             part = cp.full((sp, N), np.nan, cp.float32)
             C = cp.full((1, N), np.nan, cp.float16)
             op = tiles_op(f, reduce_k, (row_blocks, sp), smem, w, A, part, C, cps)
-            got = op().astype(cp.float32)
-            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
-            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
-                  if exact is not None else float("nan"))
-            bits = bool(cp.array_equal(op(), op()))
-            name = f"tiles S={S} G={cfg[1]} splits={sp}"
-            print(f"{layer} {name}: grid {row_blocks}x{sp}, rel err vs mma {err:.2e}, "
-                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
-            ops[name] = op
-        for cfg, f in bkerns.items():
-            S = cfg[0]
-            n_rb = -(-rt_n // (4 * S))
-            units = n_rb * kt_n
-            grid = min(2 * sms, units)
-            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U
-            slots = max(cta_of(rb * kt_n + kt_n - 1) - cta_of(rb * kt_n) + 1 for rb in range(n_rb))
-            part = cp.full((slots, N), np.nan, cp.float32)
-            C = cp.full((1, N), np.nan, cp.float16)
-            op = bal_op(f, reduce_bal, grid, smem, w, A, part, C, units, 64 * S)
-            got = op().astype(cp.float32)
-            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
-            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
-                  if exact is not None else float("nan"))
-            bits = bool(cp.array_equal(op(), op()))
-            name = f"balanced S={S} G={cfg[1]} ctas={grid}"
-            print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
-                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
-            ops[name] = op
-        for (S, G), f in vkerns.items():
-            n_rb = -(-rt_n // (8 * S))
-            units = n_rb * kt_n
-            grid = min(2 * sms, units)
-            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U
-            slots = max(cta_of(rb * kt_n + kt_n - 1) - cta_of(rb * kt_n) + 1 for rb in range(n_rb))
-            part = cp.full((slots, N), np.nan, cp.float32)
-            C = cp.full((1, N), np.nan, cp.float16)
-            op = bal_op(f, reduce_bal, grid, smem, w, A, part, C, units, 128 * S)
-            got = op().astype(cp.float32)
-            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
-            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
-                  if exact is not None else float("nan"))
-            bits = bool(cp.array_equal(op(), op()))
-            name = f"v4 S={S} G={G} ctas={grid}"
-            print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
-                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
-            ops[name] = op
-        for (S, D), (f, per_sm) in rkerns.items():
-            n_rb = -(-rt_n // (4 * S))
+            checked(ops, layer, ref, exact, f"tiles S={S} G={cfg[1]} splits={sp}", op,
+                    f"grid {row_blocks}x{sp}")
+        # the balanced forms: (kernel, CTAs an SM, shared bytes, row tiles a row block, name)
+        balanced = ([(f, 2, smem, 4 * S, f"balanced S={S} G={G}") for (S, G), f in bkerns.items()]
+                    + [(f, 2, smem, 8 * S, f"v4 S={S} G={G}") for (S, G), f in vkerns.items()]
+                    + [(f, per_sm, ring_smem(D), 4 * S, f"ring S={S} D={D}")
+                       for (S, D), (f, per_sm) in rkerns.items()])
+        for f, per_sm, shared, rb_tiles, label in balanced:
+            n_rb = -(-rt_n // rb_tiles)
             units = n_rb * kt_n
             grid = min(per_sm * sms, units)
-            cta_of = lambda u, g=grid, U=units: ((u + 1) * g - 1) // U
-            slots = max(cta_of(rb * kt_n + kt_n - 1) - cta_of(rb * kt_n) + 1 for rb in range(n_rb))
+            slots = lut_slots(n_rb, kt_n, grid)
             part = cp.full((slots, N), np.nan, cp.float32)
             C = cp.full((1, N), np.nan, cp.float16)
-            op = bal_op(f, reduce_bal, grid, ring_smem(D), w, A, part, C, units, 64 * S)
-            got = op().astype(cp.float32)
-            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
-            ex = (float(cp.linalg.norm(got.astype(cp.float64) - exact) / cp.linalg.norm(exact))
-                  if exact is not None else float("nan"))
-            bits = bool(cp.array_equal(op(), op()))
-            name = f"ring S={S} D={D} ctas={grid}"
-            print(f"{layer} {name}: {units} units, {slots} slots, rel err vs mma {err:.2e}, "
-                  f"vs float64 {ex:.2e}, repeat same bits {bits}", flush=True)
-            ops[name] = op
+            op = bal_op(f, reduce_bal, grid, shared, w, A, part, C, units, 16 * rb_tiles)
+            checked(ops, layer, ref, exact, f"{label} ctas={grid}", op, f"{units} units, {slots} slots")
         cp.cuda.Device().synchronize()
         read = read_ceilings(K_dim, N, [2], args.reps)[2]
         base = None
