@@ -530,7 +530,6 @@ class _GemmPlan:
         self.spare = None  # the last C this plan allocated (see _output)
         self.lut = None  # gemm_lut.cu's two launches (lookups, sum)
         if self.choice == "lut":
-            weight.prepare()
             self.lut = _plan_lut_launches(M, weight, dtype, stream)
             return
         if self.choice == "dequant":
@@ -1524,7 +1523,7 @@ def _plan_lut_launches(M: int, weight: KbitWeight, dtype, stream: int):
         raise ValueError("kernel='lut' needs the device's reserved shared memory per block, "
                          "which this device does not report; use kernel='auto'")
     N, K_dim = weight.shape
-    tiles, scales = weight._tiles
+    tiles, scales = weight.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     lookups_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, False))
     total_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, True))

@@ -49,8 +49,9 @@
 namespace kbit {
 
 constexpr int kLutWarps = 8;           // _jit.py mirrors it (GEMM_LUT_THREADS = 32 * kLutWarps)
-constexpr int kLutTableBytes = 65536;  // 64 groups x 256 entries x 4 bytes
-constexpr int kLutScaleBytes = 1024;   // the E4M4 decode table (256 floats), after it
+// Dynamic shared memory: the tables (64 groups x 256 entries x 4 bytes), then
+// the E4M4 decode table (256 floats); _jit.py's GEMM_LUT_SHARED is their sum.
+constexpr int kLutTableBytes = 65536;
 // The next unit's first tiles loaded during this unit's last ones (and so
 // across the table build): sm_90 only, where it fits 128 registers (sm_80
 // spills 32 bytes; there each unit loads its first tiles before its build).
