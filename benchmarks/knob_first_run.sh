@@ -51,8 +51,6 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ctas  # gemm_lut.cu at 3 CTAs an SM (G = 1) and at
-#       G = 1 alone, against the default, fp16, k = 2, M = 1, four large layers; its GPU test, memcheck (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -71,7 +69,6 @@ KSPLIT4=KBIT_LATENCY_KSPLIT=4,_jit.GEMM_LATENCY_KSPLIT=4
 K5_OFF=_jit.GEMM_WG_K5_FULL_ROWS=0
 FOLD=KBIT_CB_FOLD=1
 BASE_OFF=KBIT_TAB_UNIFORM_BASE=0
-LUT3=KBIT_LUT_MIN_CTAS=3,_jit.GEMM_LUT_G=1
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)  # (the ncu steps)
 
 # run LIMIT FILE CMD...: CMD under a time limit, its output to $out/FILE (and the
@@ -443,15 +440,6 @@ case "${1:-}" in
       "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
-  lut-ctas)  # gemm_lut.cu at 3 CTAs an SM (one tile loaded ahead) and at G = 1 alone, against the default
-    warm "" gemm_lut  # (the knob's G = 1 variant compiles where first used: two kernels)
-    run 240 define_ab_${tag}_lut_ctas_${commit}.txt python benchmarks/define_ab.py \
-      --define "$LUT3" --define _jit.GEMM_LUT_G=1 --layers 8192x57344 4096x28672 14336x4096 28672x8192 \
-      --m 1 --k 2 --kernel lut
-    run 120 gpu_tests_lut_ctas3_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
-      -k lut_three_ctas
-    run 100 sanitize_lut_ctas3_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_kernels.py --lut --define "$LUT3" ;;
   ksplit-bound)  # the rule's bound (raised to 8 here): layers of 2 and 5-6 warps an SM (run at d98d75e: the bound is 6)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8

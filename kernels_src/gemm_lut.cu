@@ -52,13 +52,6 @@ constexpr int kLutWarps = 8;           // _jit.py mirrors it (GEMM_LUT_THREADS =
 // Dynamic shared memory: the tables (64 groups x 256 entries x 4 bytes), then
 // the E4M4 decode table (256 floats); _jit.py's GEMM_LUT_SHARED is their sum.
 constexpr int kLutTableBytes = 65536;
-// KBIT_LUT_MIN_CTAS (A/B runs; default 2): the CTAs an SM the launch bounds
-// ask for. 3 fits 80 registers without a spill at G = 1 (_jit.GEMM_LUT_G; at
-// G = 2 it spills 84 bytes): 24 warps an SM instead of 16, one tile a warp
-// loaded ahead instead of two. Built offline (aff8730+), not yet run.
-#ifndef KBIT_LUT_MIN_CTAS
-#define KBIT_LUT_MIN_CTAS 2
-#endif
 // The next unit's first tiles loaded during this unit's last ones (and so
 // across the table build): sm_90 only, where it fits 128 registers (sm_80
 // spills 32 bytes; there each unit loads its first tiles before its build).
@@ -107,7 +100,7 @@ template <int S,         // 16-row tiles a warp takes per unit (rows per row blo
           typename T,    // activations and C: __half or __nv_bfloat16
           int TABLE_AT,  // shared-window offset of the dynamic shared memory
           bool SUM>      // false: the lookups into part; true: part's slots into C
-__global__ void __launch_bounds__(32 * kLutWarps, KBIT_LUT_MIN_CTAS)
+__global__ void __launch_bounds__(32 * kLutWarps, 2)
     kbit_gemm_lut(const uint4* __restrict__ tiles, const unsigned* __restrict__ scales,
                   const float* __restrict__ codebook, const T* __restrict__ A, float* __restrict__ part,
                   T* __restrict__ C, int N, int K_dim, int kt_n, int rt_n, int units, int ctas) {

@@ -865,24 +865,3 @@ def test_lut_kernel_in_a_cuda_graph():
         graph.launch(stream)
     stream.synchronize()
     assert np.array_equal(cp.asnumpy(out).view(np.uint16), eager.view(np.uint16))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_lut_three_ctas_an_sm_knob(monkeypatch, kernels_built_with, dtype):
-    """The A/B knob KBIT_LUT_MIN_CTAS=3 with one tile loaded ahead
-    (_jit.GEMM_LUT_G = 1): three CTAs an SM, within the contract at odd shapes
-    and the same bits on a second call (the default's bits differ where its
-    grid spreads the units otherwise)."""
-    import cupy as cp
-
-    from kbit_cupy import _jit
-    from kbit_cupy.gemm import _sm_count, lut_units
-
-    kernels_built_with("-DKBIT_LUT_MIN_CTAS=3")
-    monkeypatch.setattr(_jit, "GEMM_LUT_G", 1)
-    for N, K_dim in [(17, 256), (4000, 4128), (20000, 512)]:
-        w, A, C = run_case(1, N, K_dim, 2, dtype, "lut", seed=N)
-        plan = next(iter(w._plans.values()))
-        assert plan.lut[0].grid[0] == min(lut_units(N, K_dim)[1], 3 * _sm_count())
-        again = kbit_gemm(cp.asarray(A), w, kernel="lut")
-        assert np.array_equal(cp.asnumpy(C).view(np.uint16), cp.asnumpy(again).view(np.uint16))
