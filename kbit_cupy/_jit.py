@@ -389,9 +389,11 @@ def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 def needs_sm90a(family: str, args: tuple) -> bool:
     """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu,
-    the cluster split of gemm_latency.cu)."""
+    the cluster split of gemm_latency.cu, gemm_lut.cu's bulk-copy ring)."""
     if family == "gemm_latency":
         return len(args) >= 5 and bool(args[4])
+    if family == "gemm_lut":
+        return len(args) >= 6 and args[5] > 0
     return family == "gemm_mma" and len(args) >= 6 and args[5] > 0
 
 
