@@ -310,13 +310,16 @@ __global__ void __launch_bounds__(32 * kLutWarps + (STAGES > 0 ? 32 : 0), 2)
           const uint4* const tw = reinterpret_cast<const uint4*>(sp + 1024 * warp);
           uint4 wt[2] = {tw[lane_word], tw[lane_word ^ 32]};
           unsigned sc = reinterpret_cast<const unsigned*>(sp + 8192 + 128 * warp)[scale_word];
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty + slot);
           if ((rb * S + s) * kLutWarps + warp >= rt_n) {  // no such tile: nothing was copied
             wt[0] = wt[1] = make_uint4(0u, 0u, 0u, 0u);
             sc = 0u;
           }
           acc[s] = lut_tile<TABLE_AT>(L, wt, sc, acc[s]);
+          // The slot back to the copy warp once its words were used: an arrive
+          // right after the loads (before their values were back) let the next
+          // copy overwrite them (racecheck hazards and other bits at dc6c433).
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + slot);
           if (++slot == STAGES) {
             slot = 0;
             phase ^= 1u;
