@@ -51,8 +51,6 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ring   # gemm_lut.cu's copy warp and ring of 3, 4, 5 steps
-#       (_jit.GEMM_LUT_STAGES) against the register form, k = 2, M = 1, four large layers; GPU tests, sanitizers (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -442,16 +440,6 @@ case "${1:-}" in
       "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
-  lut-ring)  # gemm_lut.cu: a copy warp fills a ring of bulk copies (sm_90), against the loads into registers
-    warm "" gemm_lut
-    run 240 define_ab_${tag}_lut_ring_${commit}.txt python benchmarks/define_ab.py \
-      --define _jit.GEMM_LUT_STAGES=3 --define _jit.GEMM_LUT_STAGES=4 --define _jit.GEMM_LUT_STAGES=5 \
-      --layers 8192x57344 4096x28672 14336x4096 28672x8192 --m 1 --k 2 --kernel lut
-    run 150 gpu_tests_lut_ring_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k lut
-    run 100 sanitize_lut_ring_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_kernels.py --lut --define _jit.GEMM_LUT_STAGES=4
-    run 150 sanitize_lut_ring_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
-      python benchmarks/sanitize_kernels.py --lut --quick --define _jit.GEMM_LUT_STAGES=4 ;;
   ksplit-bound)  # the rule's bound (raised to 8 here): layers of 2 and 5-6 warps an SM (run at d98d75e: the bound is 6)
     warm "" gemm_latency
     bound=gemm._DENSE_LATENCY_KSPLIT_MAX_SM_WARPS=8

@@ -213,27 +213,12 @@ GEMM_LUT_G = 2
 GEMM_LUT_THREADS = 256
 GEMM_LUT_SHARED = 65536 + 1024
 GEMM_LUT_TABLE_AT = 1024
-# The A/B knob GEMM_LUT_STAGES (sm_90 only; 0: the loads into registers): a
-# ninth warp copies each step's tiles and scales into a ring of this many
-# slots by bulk copies (gemm_lut.cu STAGES), 9 KB a slot.
-GEMM_LUT_STAGES = 0
-_LUT_SLOT_BYTES = 8 * (1024 + 128)  # gemm_lut.cu kLutSlotBytes
 
 
-def gemm_lut_args(dtype: str, table_at: int, total: bool, stages: int = 0) -> tuple:
+def gemm_lut_args(dtype: str, table_at: int, total: bool) -> tuple:
     """gemm_lut.cu's template arguments: the lookups (``total`` False) or the
-    sum of their slots into C (True); ``stages`` > 0: the copy warp's ring."""
-    args = (GEMM_LUT_S, GEMM_LUT_G, dtype, int(table_at), bool(total))
-    return args + (int(stages),) if stages else args
-
-
-def gemm_lut_geometry(stages: int = 0) -> tuple[int, int]:
-    """(threads, dynamic shared bytes) of gemm_lut.cu's lookups launch: the
-    ring's slots and their two barriers each after the tables where ``stages``
-    > 0."""
-    if not stages:
-        return GEMM_LUT_THREADS, GEMM_LUT_SHARED
-    return GEMM_LUT_THREADS + 32, GEMM_LUT_SHARED + stages * (_LUT_SLOT_BYTES + 16)
+    sum of their slots into C (True)."""
+    return (GEMM_LUT_S, GEMM_LUT_G, dtype, int(table_at), bool(total))
 # gemm_latency.cu KBIT_LATENCY_KSPLIT: units of work per K tile (1: a warp takes
 # whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
 # half or quarter tiles)
@@ -389,11 +374,9 @@ def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 def needs_sm90a(family: str, args: tuple) -> bool:
     """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu,
-    the cluster split of gemm_latency.cu, gemm_lut.cu's bulk-copy ring)."""
+    the cluster split of gemm_latency.cu)."""
     if family == "gemm_latency":
         return len(args) >= 5 and bool(args[4])
-    if family == "gemm_lut":
-        return len(args) >= 6 and args[5] > 0
     return family == "gemm_mma" and len(args) >= 6 and args[5] > 0
 
 

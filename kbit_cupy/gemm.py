@@ -1525,18 +1525,16 @@ def _plan_lut_launches(M: int, weight: KbitWeight, dtype, stream: int):
     N, K_dim = weight.shape
     tiles, scales = weight.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
-    stages = _jit.GEMM_LUT_STAGES if has_wgmma() else 0  # (the ring's bulk copies: sm_90)
-    lookups_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, False, stages))
+    lookups_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, False))
     total_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, True))
-    threads, shared = _jit.gemm_lut_geometry(stages)
-    per_sm = launch_ctas_per_sm(lookups_k, threads, shared)
+    per_sm = launch_ctas_per_sm(lookups_k, _jit.GEMM_LUT_THREADS, _jit.GEMM_LUT_SHARED)
     if per_sm < 1:
-        raise ValueError(f"kernel='lut' needs {shared // 1024} KB of shared memory per CTA; use kernel='auto'")
+        raise ValueError("kernel='lut' needs 65 KB of shared memory per CTA; use kernel='auto'")
     row_blocks, units = lut_units(N, K_dim)
     ctas = min(per_sm * _sm_count(), units)
     part = _workspace(lut_slots(row_blocks, kt_n, ctas) * N, stream)
     values = (tiles, scales, weight.codebook, 0, part, 0, N, K_dim, kt_n, rt_n, units, ctas)
-    lookups = _launch.Launch(lookups_k, (ctas,), (threads,), shared,
+    lookups = _launch.Launch(lookups_k, (ctas,), (_jit.GEMM_LUT_THREADS,), _jit.GEMM_LUT_SHARED,
                              _LUT_ARG_TYPES, values)
     total = _launch.Launch(total_k, (math.ceil(N / 256),), (256,), 0, _LUT_ARG_TYPES, values)
     return lookups, total

@@ -45,8 +45,6 @@
 // throughout (codebook entries, activations and products are not rounded to
 // fp16 first): within FORMAT.md section 7 of the reference.
 #include "common.cuh"
-// (wgmma.cuh: the mbarriers, bulk copies and named barriers of the STAGES > 0 form)
-#include "wgmma.cuh"
 
 namespace kbit {
 
@@ -54,9 +52,6 @@ constexpr int kLutWarps = 8;           // _jit.py mirrors it (GEMM_LUT_THREADS =
 // Dynamic shared memory: the tables (64 groups x 256 entries x 4 bytes), then
 // the E4M4 decode table (256 floats); _jit.py's GEMM_LUT_SHARED is their sum.
 constexpr int kLutTableBytes = 65536;
-// A ring slot of the STAGES > 0 form: a step's 8 tiles (1 KB each) and their
-// scales (128 bytes each); _jit.py's gemm_lut_geometry mirrors it.
-constexpr int kLutSlotBytes = kLutWarps * (1024 + 128);
 // The next unit's first tiles loaded during this unit's last ones (and so
 // across the table build): sm_90 only, where it fits 128 registers (sm_80
 // spills 32 bytes; there each unit loads its first tiles before its build).
@@ -100,90 +95,12 @@ __device__ __forceinline__ int lut_cta_of(long long u, long long units, long lon
   return (int)(((u + 1) * ctas - 1) / units);
 }
 
-// K tile c's tables: thread (group gg, quarter q4) writes entries q4 * 64 ..
-// + 63 of group gg (cb: the codebook's four entries).
-template <typename T>
-__device__ __forceinline__ void lut_build_tables(float* smem, const T* __restrict__ A, int c, int K_dim,
-                                                 int gg, int q4, float cb0, float cb1, float cb2, float cb3) {
-  const int kk = gg >> 5, tb = (gg >> 3) & 3, q = (gg >> 1) & 3, ph = gg & 1;
-  const int col = c * 256 + 32 * (4 * kk + q) + 16 * ph + 2 * tb;
-  float2 x01 = make_float2(0.f, 0.f), x23 = make_float2(0.f, 0.f);
-  if (col < K_dim) {  // (K_dim % 32 == 0: a group is wholly in or out)
-    x01 = load_pair(A + col);
-    x23 = load_pair(A + col + 8);
-  }
-  const float cb[4] = {cb0, cb1, cb2, cb3};
-  float p01[16];  // codes (a & 3, a >> 2) of columns 0 and 1
-#pragma unroll
-  for (int a = 0; a < 16; ++a) p01[a] = x01.x * cb[a & 3] + x01.y * cb[a >> 2];
-  const float x3c = x23.y * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
-  const float p23[4] = {x23.x * cb0 + x3c, x23.x * cb1 + x3c, x23.x * cb2 + x3c, x23.x * cb3 + x3c};
-#pragma unroll
-  for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = p01[ii & 15] + p23[ii >> 4];
-}
-
-// A lane's byte-permute selectors (the kernel's set-up says what each holds).
-struct LutLane {
-  unsigned row_sel[2], order_lo, order_hi, LB[2][4], scale_order;
-};
-
-// One tile's lookups (wt: the K halves mine, theirs; sc: its scale word) added to a.
-template <int TABLE_AT>
-__device__ __forceinline__ float lut_tile(const LutLane& L, const uint4 (&wt)[2], unsigned sc, float a) {
-  float pair[16];  // index 8 x + 4 y + m: row x (0: mine), K half y (0: mine), block m in lookup order
-#pragma unroll
-  for (int y = 0; y < 2; ++y) {
-    const uint4 w = wt[y];
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const unsigned X0 = __byte_perm(w.x, w.y, L.row_sel[x]);  // groups q = 0, 1
-      const unsigned X1 = __byte_perm(w.z, w.w, L.row_sel[x]);  // q = 2, 3
-      const unsigned R0 = __byte_perm(X0, X1, L.order_lo), R1 = __byte_perm(X0, X1, L.order_hi);
-      float v[8];
-#pragma unroll
-      for (int jp = 0; jp < 8; ++jp) {
-        // byte 0: the group offset, byte 1: the index, bytes 2, 3: zero (LB's)
-        const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | 0x6600u;
-        v[jp] = lut_load<TABLE_AT>(__byte_perm(jp < 4 ? R0 : R1, L.LB[y][jp >> 1], sel));
-      }
-#pragma unroll
-      for (int m = 0; m < 4; ++m) pair[8 * x + 4 * y + m] = v[2 * m] + v[2 * m + 1];
-    }
-  }
-  // over t: xor 2 (the other row's lanes) then xor 1 (the other K half's)
-  float r8[8];
-#pragma unroll
-  for (int m = 0; m < 8; ++m) r8[m] = pair[m] + __shfl_xor_sync(kFullMask, pair[8 + m], 2);
-  const unsigned sw = __byte_perm(sc, 0u, L.scale_order);
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const float r = r8[m] + __shfl_xor_sync(kFullMask, r8[4 + m], 1);
-    a = fmaf(r, lut_load<TABLE_AT>(kLutTableBytes + (((sw >> (8 * m)) & 255u) << 2)), a);
-  }
-  return a;
-}
-
-// The row block rb's partial sums of warp `warp` into slot `slot` of part:
-// lanes t and t ^ 1 hold the two block halves.
-template <int S>
-__device__ __forceinline__ void lut_store_partials(float* __restrict__ part, const float (&acc)[S], int rb,
-                                                   int warp, int slot, int g, int t, int N) {
-  const int tile0 = rb * kLutWarps * S + warp;
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    const float v = acc[s] + __shfl_xor_sync(kFullMask, acc[s], 1);
-    const int row = (tile0 + kLutWarps * s) * 16 + g + 8 * (t >> 1);
-    if ((t & 1) == 0 && row < N) part[(long long)slot * N + row] = v;
-  }
-}
-
 template <int S,         // 16-row tiles a warp takes per unit (rows per row block: 128 S)
-          int G,         // tiles a warp loads ahead, twice (two register groups; STAGES = 0)
+          int G,         // tiles a warp loads ahead, twice (two register groups)
           typename T,    // activations and C: __half or __nv_bfloat16
           int TABLE_AT,  // shared-window offset of the dynamic shared memory
-          bool SUM,      // false: the lookups into part; true: part's slots into C
-          int STAGES = 0>  // 0: loads into registers; > 0: a copy warp's ring of STAGES steps (sm_90)
-__global__ void __launch_bounds__(32 * kLutWarps + (STAGES > 0 ? 32 : 0), 2)
+          bool SUM>      // false: the lookups into part; true: part's slots into C
+__global__ void __launch_bounds__(32 * kLutWarps, 2)
     kbit_gemm_lut(const uint4* __restrict__ tiles, const unsigned* __restrict__ scales,
                   const float* __restrict__ codebook, const T* __restrict__ A, float* __restrict__ part,
                   T* __restrict__ C, int N, int K_dim, int kt_n, int rt_n, int units, int ctas) {
@@ -198,90 +115,38 @@ __global__ void __launch_bounds__(32 * kLutWarps + (STAGES > 0 ? 32 : 0), 2)
     C[n] = from_float<T>(s);
     return;
   } else {
-    extern __shared__ __align__(16) float smem[];  // the tables, the scale decode table, the ring
+    extern __shared__ __align__(16) float smem[];  // the tables, then the scale decode table
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int u0 = (int)((long long)blockIdx.x * units / ctas);
     const int u1 = (int)((long long)(blockIdx.x + 1) * units / ctas);
     if (tid == 0 && (unsigned)__cvta_generic_to_shared(smem) != (unsigned)TABLE_AT) __trap();
-    if constexpr (STAGES > 0) {
-#if !KBIT_HAS_WGMMA
-      __trap();  // (the bulk copies are sm_90's; gemm.py launches this form there only)
-#endif
-    }
-    if (STAGES == 0 || tid < 256) smem[kLutTableBytes / 4 + tid] = e4m4_decode((unsigned)tid);  // 256 codes
-    // The ring (STAGES > 0): slot i holds one step's 8 tiles (1 KB each, warp
-    // w's at w KB) and their scales (128 bytes each, from 8 KB); full[i]
-    // completes when its copies are in, empty[i] when the 8 warps have read it.
-    unsigned char* const ring = reinterpret_cast<unsigned char*>(smem) + kLutTableBytes + 1024;
-    unsigned long long* const full = reinterpret_cast<unsigned long long*>(ring + STAGES * kLutSlotBytes);
-    unsigned long long* const empty = full + STAGES;
-    if constexpr (STAGES > 0) {
-      if (tid == 0) {
-        for (int i = 0; i < STAGES; ++i) {
-          mbar_init(full + i, 1);
-          mbar_init(empty + i, kLutWarps);
-        }
-        mbar_init_fence();
-      }
-      __syncthreads();
-      if (warp == kLutWarps) {
-        // The copy warp: lanes 0..7 copy warp `lane`'s tile of each step, in
-        // the consumers' order, STAGES steps ahead of the slowest of them.
-        if (lane < kLutWarps) {
-          int slot = 0, step = 0;
-          unsigned phase = 0;
-          for (int u = u0; u < u1; ++u) {
-            const int rb = u / kt_n, c = u - rb * kt_n;
-            for (int s = 0; s < S; ++s, ++step) {
-              if (step >= STAGES) mbar_wait(empty + slot, phase ^ 1u);
-              const int tile_first = (rb * S + s) * kLutWarps;
-              const int n_t = max(0, min(kLutWarps, rt_n - tile_first));
-              if (lane == 0) mbar_expect_tx(full + slot, (unsigned)n_t * (1024u + 128u));
-              __syncwarp(0xffu);
-              if (lane < n_t) {
-                const long long tc = (long long)(tile_first + lane) * kt_n + c;
-                const unsigned dst = (unsigned)__cvta_generic_to_shared(ring + slot * kLutSlotBytes);
-                bulk_load(dst + 1024u * lane, tiles + tc * 64, 1024u, full + slot);
-                bulk_load(dst + 8192u + 128u * lane, scales + tc * 32, 128u, full + slot);
-              }
-              if (++slot == STAGES) {
-                slot = 0;
-                phase ^= 1u;
-              }
-            }
-          }
-        }
-        return;
-      }
-    }
+    smem[kLutTableBytes / 4 + tid] = e4m4_decode((unsigned)tid);  // 256 threads, 256 codes
     const int g = lane >> 2, t = lane & 3;
     // Each lane takes its own row (g + 8 (t >> 1)) and its own K half (kk = t & 1)
     // as "mine" and the others as "theirs": the two shuffle rounds below then
     // send "theirs" and keep "mine" without selects. row_sel[0] gathers mine's
     // bytes, row_sel[1] theirs'; w[0] is loaded from kk = t & 1.
-    LutLane L;
-    L.row_sel[0] = (t >> 1) ? 0x7632u : 0x5410u;
-    L.row_sel[1] = (t >> 1) ? 0x5410u : 0x7632u;
+    const unsigned row_sel[2] = {(t >> 1) ? 0x7632u : 0x5410u, (t >> 1) ? 0x5410u : 0x7632u};
     // byte-permute selectors: R0 / R1 = a row's group bytes in lookup order;
     // LB[x][p]: the group offsets (4 G) of lookups 2p and 2p + 1 in bytes 0, 1
     // of K half x (0: mine)
-    L.order_lo = L.order_hi = 0;
+    unsigned order_lo = 0, order_hi = 0, LB[2][4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      L.order_lo |= (unsigned)lookup_group(m, g) << (4 * m);
-      L.order_hi |= (unsigned)lookup_group(m + 4, g) << (4 * m);
+      order_lo |= (unsigned)lookup_group(m, g) << (4 * m);
+      order_hi |= (unsigned)lookup_group(m + 4, g) << (4 * m);
     }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       const unsigned lb = (unsigned)(4 * (8 * t + lookup_group(2 * p, g))) |
                           ((unsigned)(4 * (8 * t + lookup_group(2 * p + 1, g))) << 8);
-      L.LB[0][p] = (t & 1) ? lb | 0x8080u : lb;  // kk = 1: groups 32..63
-      L.LB[1][p] = (t & 1) ? lb : lb | 0x8080u;
+      LB[0][p] = (t & 1) ? lb | 0x8080u : lb;  // kk = 1: groups 32..63
+      LB[1][p] = (t & 1) ? lb : lb | 0x8080u;
     }
     // the scale word's byte q to byte (q - (g >> 1)) & 3: the order of the pair sums
-    L.scale_order = 0;
+    unsigned scale_order = 0;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) L.scale_order |= (unsigned)((m + (g >> 1)) & 3) << (4 * m);
+    for (int m = 0; m < 4; ++m) scale_order |= (unsigned)((m + (g >> 1)) & 3) << (4 * m);
     const float cb0 = codebook[0], cb1 = codebook[1], cb2 = codebook[2], cb3 = codebook[3];
     // table building: thread (group gg, quarter q4) writes entries q4 * 64 .. + 63 of group gg
     const int gg = lane + 32 * (warp & 1), q4 = warp >> 1;
@@ -289,96 +154,111 @@ __global__ void __launch_bounds__(32 * kLutWarps + (STAGES > 0 ? 32 : 0), 2)
     const int lane_word = lane + 32 * (t & 1);                           // w[0]'s 16 bytes (w[1]: ^ 32)
     const unsigned step_tiles = kLutWarps * (unsigned)kt_n;              // tiles between a warp's steps
 
+    // The loads of unit u's group grp into one of two register groups. The
+    // first group of the next unit is loaded during the last group of this
+    // one (kLutNextUnit).
+    uint4 wv[2][G][2];
+    unsigned sv[2][G];
+    auto load_group = [&](int u, int grp, uint4 (*w)[2], unsigned* sc) {
+      const int rb = u / kt_n, c = u - rb * kt_n;
+      const int tile0 = rb * kLutWarps * S + warp;
+      const int steps = (rt_n - tile0 + kLutWarps - 1) / kLutWarps;  // tiles of this warp that exist
+      const uint4* w_ptr = tiles + ((long long)tile0 * kt_n + c) * 64 + lane_word;
+      const uint4* w_ptr1 = w_ptr + ((t & 1) ? -32 : 32);  // the other K half
+      const unsigned* s_ptr = scales + ((long long)tile0 * kt_n + c) * 32 + scale_word;
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const unsigned s = grp * G + i;
+        w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
+        sc[i] = 0u;
+        if ((int)s < steps) {
+          w[i][0] = __ldg(w_ptr + s * step_tiles * 64u);
+          w[i][1] = __ldg(w_ptr1 + s * step_tiles * 64u);
+          sc[i] = __ldg(s_ptr + s * step_tiles * 32u);
+        }
+      }
+    };
+    static_assert((S / G) % 2 == 0, "a unit starts in register group 0");
+    if (u0 < u1) load_group(u0, 0, wv[0], sv[0]);
 
     float acc[S];
-    if constexpr (STAGES > 0) {
-      int slot = 0;
-      unsigned phase = 0;
-      for (int u = u0; u < u1; ++u) {
-        const int rb = u / kt_n, c = u - rb * kt_n;
-        if (u == u0 || c == 0) {
+    for (int u = u0; u < u1; ++u) {
+      const int rb = u / kt_n, c = u - rb * kt_n;
+      if (u == u0 || c == 0) {
 #pragma unroll
-          for (int s = 0; s < S; ++s) acc[s] = 0.0f;
-        }
-        named_sync(1, 32 * kLutWarps);  // the previous unit's lookups are done
-        lut_build_tables(smem, A, c, K_dim, gg, q4, cb0, cb1, cb2, cb3);
-        named_sync(1, 32 * kLutWarps);
-#pragma unroll
-        for (int s = 0; s < S; ++s) {
-          mbar_wait(full + slot, phase);
-          const unsigned char* const sp = ring + slot * kLutSlotBytes;
-          const uint4* const tw = reinterpret_cast<const uint4*>(sp + 1024 * warp);
-          uint4 wt[2] = {tw[lane_word], tw[lane_word ^ 32]};
-          unsigned sc = reinterpret_cast<const unsigned*>(sp + 8192 + 128 * warp)[scale_word];
-          if ((rb * S + s) * kLutWarps + warp >= rt_n) {  // no such tile: nothing was copied
-            wt[0] = wt[1] = make_uint4(0u, 0u, 0u, 0u);
-            sc = 0u;
-          }
-          acc[s] = lut_tile<TABLE_AT>(L, wt, sc, acc[s]);
-          // The slot back to the copy warp once its words were used: an arrive
-          // right after the loads (before their values were back) let the next
-          // copy overwrite them (racecheck hazards and other bits at dc6c433).
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty + slot);
-          if (++slot == STAGES) {
-            slot = 0;
-            phase ^= 1u;
-          }
-        }
-        if (u == u1 - 1 || c == kt_n - 1)
-          lut_store_partials<S>(part, acc, rb, warp, (int)blockIdx.x - lut_cta_of((long long)rb * kt_n, units, ctas),
-                                g, t, N);
+        for (int s = 0; s < S; ++s) acc[s] = 0.0f;
       }
-    } else {
-      // The loads of unit u's group grp into one of two register groups. The
-      // first group of the next unit is loaded during the last group of this
-      // one (kLutNextUnit).
-      uint4 wv[2][G][2];
-      unsigned sv[2][G];
-      auto load_group = [&](int u, int grp, uint4 (*w)[2], unsigned* sc) {
-        const int rb = u / kt_n, c = u - rb * kt_n;
-        const int tile0 = rb * kLutWarps * S + warp;
-        const int steps = (rt_n - tile0 + kLutWarps - 1) / kLutWarps;  // tiles of this warp that exist
-        const uint4* w_ptr = tiles + ((long long)tile0 * kt_n + c) * 64 + lane_word;
-        const uint4* w_ptr1 = w_ptr + ((t & 1) ? -32 : 32);  // the other K half
-        const unsigned* s_ptr = scales + ((long long)tile0 * kt_n + c) * 32 + scale_word;
+      if (!kLutNextUnit && u > u0) load_group(u, 0, wv[0], sv[0]);
+      __syncthreads();  // the previous unit's lookups are done
+      {
+        const int kk = gg >> 5, tb = (gg >> 3) & 3, q = (gg >> 1) & 3, ph = gg & 1;
+        const int col = c * 256 + 32 * (4 * kk + q) + 16 * ph + 2 * tb;
+        float2 x01 = make_float2(0.f, 0.f), x23 = make_float2(0.f, 0.f);
+        if (col < K_dim) {  // (K_dim % 32 == 0: a group is wholly in or out)
+          x01 = load_pair(A + col);
+          x23 = load_pair(A + col + 8);
+        }
+        const float cb[4] = {cb0, cb1, cb2, cb3};
+        float p01[16];  // codes (a & 3, a >> 2) of columns 0 and 1
+#pragma unroll
+        for (int a = 0; a < 16; ++a) p01[a] = x01.x * cb[a & 3] + x01.y * cb[a >> 2];
+        const float x3c = x23.y * (q4 == 0 ? cb0 : q4 == 1 ? cb1 : q4 == 2 ? cb2 : cb3);
+        const float p23[4] = {x23.x * cb0 + x3c, x23.x * cb1 + x3c, x23.x * cb2 + x3c, x23.x * cb3 + x3c};
+#pragma unroll
+        for (int ii = 0; ii < 64; ++ii) smem[(q4 * 64 + ii) * 64 + gg] = p01[ii & 15] + p23[ii >> 4];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int grp = 0; grp < S / G; ++grp) {
+        const int cur = grp & 1;
+        if (grp + 1 < S / G) load_group(u, grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
+        else if (kLutNextUnit && u + 1 < u1) load_group(u + 1, 0, wv[cur ^ 1], sv[cur ^ 1]);
 #pragma unroll
         for (int i = 0; i < G; ++i) {
-          const unsigned s = grp * G + i;
-          w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
-          sc[i] = 0u;
-          if ((int)s < steps) {
-            w[i][0] = __ldg(w_ptr + s * step_tiles * 64u);
-            w[i][1] = __ldg(w_ptr1 + s * step_tiles * 64u);
-            sc[i] = __ldg(s_ptr + s * step_tiles * 32u);
+          float pair[16];  // index 8 x + 4 y + m: row x (0: mine), K half y (0: mine), block m in lookup order
+#pragma unroll
+          for (int y = 0; y < 2; ++y) {
+            const uint4 w = wv[cur][i][y];
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              const unsigned X0 = __byte_perm(w.x, w.y, row_sel[x]);  // groups q = 0, 1
+              const unsigned X1 = __byte_perm(w.z, w.w, row_sel[x]);  // q = 2, 3
+              const unsigned R0 = __byte_perm(X0, X1, order_lo), R1 = __byte_perm(X0, X1, order_hi);
+              float v[8];
+#pragma unroll
+              for (int jp = 0; jp < 8; ++jp) {
+                // byte 0: the group offset, byte 1: the index, bytes 2, 3: zero (LB's)
+                const unsigned sel = (4u + (jp & 1)) | ((unsigned)(jp & 3) << 4) | 0x6600u;
+                v[jp] = lut_load<TABLE_AT>(__byte_perm(jp < 4 ? R0 : R1, LB[y][jp >> 1], sel));
+              }
+#pragma unroll
+              for (int m = 0; m < 4; ++m) pair[8 * x + 4 * y + m] = v[2 * m] + v[2 * m + 1];
+            }
           }
-        }
-      };
-      static_assert((S / G) % 2 == 0, "a unit starts in register group 0");
-      if (u0 < u1) load_group(u0, 0, wv[0], sv[0]);
-
-      for (int u = u0; u < u1; ++u) {
-        const int rb = u / kt_n, c = u - rb * kt_n;
-        if (u == u0 || c == 0) {
+          // over t: xor 2 (the other row's lanes) then xor 1 (the other K half's)
+          float r8[8];
 #pragma unroll
-          for (int s = 0; s < S; ++s) acc[s] = 0.0f;
-        }
-        if (!kLutNextUnit && u > u0) load_group(u, 0, wv[0], sv[0]);
-        __syncthreads();  // the previous unit's lookups are done
-        lut_build_tables(smem, A, c, K_dim, gg, q4, cb0, cb1, cb2, cb3);
-        __syncthreads();
+          for (int m = 0; m < 8; ++m) r8[m] = pair[m] + __shfl_xor_sync(kFullMask, pair[8 + m], 2);
+          const unsigned sw = __byte_perm(sv[cur][i], 0u, scale_order);
+          float a = acc[grp * G + i];
 #pragma unroll
-        for (int grp = 0; grp < S / G; ++grp) {
-          const int cur = grp & 1;
-          if (grp + 1 < S / G) load_group(u, grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
-          else if (kLutNextUnit && u + 1 < u1) load_group(u + 1, 0, wv[cur ^ 1], sv[cur ^ 1]);
-#pragma unroll
-          for (int i = 0; i < G; ++i)
-            acc[grp * G + i] = lut_tile<TABLE_AT>(L, wv[cur][i], sv[cur][i], acc[grp * G + i]);
+          for (int m = 0; m < 4; ++m) {
+            const float r = r8[m] + __shfl_xor_sync(kFullMask, r8[4 + m], 1);
+            a = fmaf(r, lut_load<TABLE_AT>(kLutTableBytes + (((sw >> (8 * m)) & 255u) << 2)), a);
+          }
+          acc[grp * G + i] = a;
         }
-        if (u == u1 - 1 || c == kt_n - 1)
-          lut_store_partials<S>(part, acc, rb, warp, (int)blockIdx.x - lut_cta_of((long long)rb * kt_n, units, ctas),
-                                g, t, N);
+      }
+      if (u == u1 - 1 || c == kt_n - 1) {
+        // the row block's partial sums: lanes t and t ^ 1 hold the two block halves
+        const int tile0 = rb * kLutWarps * S + warp;
+        const int slot = (int)blockIdx.x - lut_cta_of((long long)rb * kt_n, units, ctas);
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          const float v = acc[s] + __shfl_xor_sync(kFullMask, acc[s], 1);
+          const int row = (tile0 + kLutWarps * s) * 16 + g + 8 * (t >> 1);
+          if ((t & 1) == 0 && row < N) part[(long long)slot * N + row] = v;
+        }
       }
     }
   }

@@ -184,30 +184,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
       "}\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
 #endif
 }
-// Arrives on the barrier (one of the phase's expected arrivals).
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-#if KBIT_HAS_WGMMA
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(
-                   (unsigned)__cvta_generic_to_shared(bar)) : "memory");
-#endif
-}
-// The barriers' initialisation made visible to the copy engine (before the
-// CTA barrier that follows it).
-__device__ __forceinline__ void mbar_init_fence() {
-#if KBIT_HAS_WGMMA
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// The bulk copy engine: `bytes` (a multiple of 16, both addresses 16-byte
-// aligned) from global `src` to shared `dst`, completing on `bar`.
-__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
-                                          unsigned long long* bar) {
-#if KBIT_HAS_WGMMA
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
-#endif
-}
 // The tensor copy engine: box (x, y) of the 2-D tensor map at `map` (global
 // memory, written by the host) into shared memory at `dst`, completing on
 // `bar`. Rows and columns outside the tensor are zero-filled.

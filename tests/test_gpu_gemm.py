@@ -831,37 +831,6 @@ def test_lut_kernel_units_across_row_blocks(monkeypatch, dtype):
     assert diff.max() <= 1e-2 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("stages", [2, 5])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_lut_copy_warp_ring_knob(monkeypatch, dtype, stages):
-    """The A/B knob _jit.GEMM_LUT_STAGES (sm_90: a ninth warp copies each
-    step's tiles into a ring of ``stages`` slots by bulk copies): within the
-    contract at odd shapes, and the same bits as the register form (the same
-    grid, units and sums in the same order); with the SM count patched to 3,
-    CTAs that take units of two row blocks, the same."""
-    import cupy as cp
-
-    from kbit_cupy import _jit, gemm
-
-    needs_kernel("lut")
-    if not gemm.has_wgmma():
-        pytest.skip("the bulk-copy ring is sm_90's")
-    cases = [(1, 32, None), (17, 256, None), (2051, 96, None), (4000, 4128, None), (20000, 512, None),
-             (4000, 4128, 3)]
-    for N, K_dim, sms in cases:
-        if sms is not None:
-            monkeypatch.setattr(gemm, "_sm_count", lambda n=sms: n)
-        w, A, C = run_case(1, N, K_dim, 2, dtype, "lut", seed=N)
-        monkeypatch.setattr(_jit, "GEMM_LUT_STAGES", stages)
-        w._plans.clear()
-        out = cp.full((1, N), np.nan, dtype=np.dtype(dtype))
-        ring = kbit_gemm(cp.asarray(A), w, out=out, kernel="lut")
-        plan = next(iter(w._plans.values()))
-        assert plan.lut[0].block[0] == 288
-        assert np.array_equal(cp.asnumpy(ring).view(np.uint16), cp.asnumpy(C).view(np.uint16)), (N, K_dim)
-        monkeypatch.setattr(_jit, "GEMM_LUT_STAGES", 0)
-
-
 def test_lut_kernel_refuses_what_it_cannot_run():
     import cupy as cp
 
