@@ -51,6 +51,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-setup-ab  # the placement inlined: A/B (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ncu    # gemm_lut.cu on 8192x57344 k = 2 M = 1: ncu sections and stall samples by instruction (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -431,6 +432,19 @@ case "${1:-}" in
       "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
+  lut-ncu)  # where gemm_lut.cu's time goes (cold L2: ncu flushes the caches before the launch)
+    warm "" gemm_lut
+    name=ncu_lut_8192x57344_k2_M1_${tag}_${commit}
+    run 120 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_lut --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+      python benchmarks/profile_gemm.py 8192 57344 1 2 lut
+    name=ncu_source_lut_8192x57344_k2_M1_${tag}_${commit}
+    run 120 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_lut --launch-count 1 \
+      --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
+      python benchmarks/profile_gemm.py 8192 57344 1 2 lut
+    "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+    run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz" ;;
   moe-ncu-setup)  # per-instruction stall samples of the mma.sync grouped launch at 512 experts T = 8: moe_linear (its set-up) and kbit_grouped_gemm
     for m in moe grouped; do
       name=ncu_source_${m}_e512_top10_2048x512_T8_${tag}_${commit}
