@@ -52,17 +52,17 @@ constexpr int kLutWarps = 8;           // _jit.py mirrors it (GEMM_LUT_THREADS =
 // Dynamic shared memory: the tables (64 groups x 256 entries x 4 bytes), then
 // the E4M4 decode table (256 floats); _jit.py's GEMM_LUT_SHARED is their sum.
 constexpr int kLutTableBytes = 65536;
+// KBIT_LUT_A_EARLY=1 (A/B runs; default 0): each unit's four values of A for
+// the table build are loaded before the barrier that opens the build, not
+// after it; 2: during the previous unit's last load group. ncu of the default on 8192x57344 (d31822c): 5% of the stall
+// samples wait on them (long scoreboard at their conversion), 9.7% at that
+// barrier.
+#ifndef KBIT_LUT_A_EARLY
+#define KBIT_LUT_A_EARLY 0
+#endif
 // The next unit's first tiles loaded during this unit's last ones (and so
 // across the table build): sm_90 only, where it fits 128 registers (sm_80
 // spills 32 bytes; there each unit loads its first tiles before its build).
-// KBIT_LUT_L2_AHEAD=D (A/B runs; default 0): at the start of unit u the warp's
-// lanes ask L2 for unit u + D's tiles and scales (prefetch.global.L2, a
-// 128-byte line each), and at entry for the first D units'.
-// ncu of the default on 8192x57344 (d31822c): 20% of the stall samples wait
-// on the first use of the loaded weight words (long scoreboard).
-#ifndef KBIT_LUT_L2_AHEAD
-#define KBIT_LUT_L2_AHEAD 0
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr bool kLutNextUnit = true;
 #else
@@ -189,27 +189,24 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
     };
     static_assert((S / G) % 2 == 0, "a unit starts in register group 0");
     if (u0 < u1) load_group(u0, 0, wv[0], sv[0]);
-    // (KBIT_LUT_L2_AHEAD) the warp's S tiles of unit u (8 lines of 128 bytes
-    // each) and their scales (one line each) into L2: line i = 32 r + lane
-    // of rounds r = 0, 1, 2 (per-thread prefetches: the bulk prefetch takes
-    // uniform registers, and ptxas loops over the lanes)
-    auto prefetch_unit = [&](int u) {
-#if KBIT_LUT_L2_AHEAD
-      const int rb = u / kt_n, c = u - rb * kt_n;
-#pragma unroll
-      for (int r = 0; r < (9 * S + 31) / 32; ++r) {
-        const int i = 32 * r + lane, s = i < 8 * S ? i >> 3 : i - 8 * S;
-        const int tile = rb * kLutWarps * S + warp + kLutWarps * s;
-        if (i < 9 * S && tile < rt_n) {
-          const long long tc = (long long)tile * kt_n + c;
-          const void* src = i < 8 * S ? (const void*)(tiles + tc * 64 + 8 * (i & 7)) : (const void*)(scales + tc * 32);
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
-        }
-      }
-#endif
-    };
-    for (int d = 0; d < KBIT_LUT_L2_AHEAD && u0 + d < u1; ++d) prefetch_unit(u0 + d);
 
+#if KBIT_LUT_A_EARLY
+    // (A/B) the table build's four values of A for K tile c (two values of T
+    // each; zero is 0.0 in both types): 1, loaded before the build's barrier;
+    // 2, during the previous unit's last load group (at entry for the first)
+    auto load_a = [&](int c, unsigned& a01, unsigned& a23) {
+      const int col = c * 256 + 32 * (4 * (gg >> 5) + ((gg >> 1) & 3)) + 16 * (gg & 1) + 2 * ((gg >> 3) & 3);
+      a01 = a23 = 0u;
+      if (col < K_dim) {
+        a01 = __ldg(reinterpret_cast<const unsigned*>(A + col));
+        a23 = __ldg(reinterpret_cast<const unsigned*>(A + col + 8));
+      }
+    };
+#endif
+#if KBIT_LUT_A_EARLY == 2
+    unsigned a_next01 = 0u, a_next23 = 0u;
+    if (u0 < u1) load_a(u0 % kt_n, a_next01, a_next23);
+#endif
     float acc[S];
     for (int u = u0; u < u1; ++u) {
       const int rb = u / kt_n, c = u - rb * kt_n;
@@ -218,9 +215,18 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         for (int s = 0; s < S; ++s) acc[s] = 0.0f;
       }
       if (!kLutNextUnit && u > u0) load_group(u, 0, wv[0], sv[0]);
-      if (KBIT_LUT_L2_AHEAD && u + KBIT_LUT_L2_AHEAD < u1) prefetch_unit(u + KBIT_LUT_L2_AHEAD);
+#if KBIT_LUT_A_EARLY == 1
+      unsigned a01, a23;
+      load_a(c, a01, a23);
+#elif KBIT_LUT_A_EARLY == 2
+      const unsigned a01 = a_next01, a23 = a_next23;
+#endif
       __syncthreads();  // the previous unit's lookups are done
       {
+#if KBIT_LUT_A_EARLY
+        const float2 x01 = load_pair(reinterpret_cast<const T*>(&a01));
+        const float2 x23 = load_pair(reinterpret_cast<const T*>(&a23));
+#else
         const int kk = gg >> 5, tb = (gg >> 3) & 3, q = (gg >> 1) & 3, ph = gg & 1;
         const int col = c * 256 + 32 * (4 * kk + q) + 16 * ph + 2 * tb;
         float2 x01 = make_float2(0.f, 0.f), x23 = make_float2(0.f, 0.f);
@@ -228,6 +234,7 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
           x01 = load_pair(A + col);
           x23 = load_pair(A + col + 8);
         }
+#endif
         const float cb[4] = {cb0, cb1, cb2, cb3};
         float p01[16];  // codes (a & 3, a >> 2) of columns 0 and 1
 #pragma unroll
@@ -243,6 +250,9 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         const int cur = grp & 1;
         if (grp + 1 < S / G) load_group(u, grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
         else if (kLutNextUnit && u + 1 < u1) load_group(u + 1, 0, wv[cur ^ 1], sv[cur ^ 1]);
+#if KBIT_LUT_A_EARLY == 2
+        if (grp + 1 == S / G && u + 1 < u1) load_a((u + 1) % kt_n, a_next01, a_next23);
+#endif
 #pragma unroll
         for (int i = 0; i < G; ++i) {
           float pair[16];  // index 8 x + 4 y + m: row x (0: mine), K half y (0: mine), block m in lookup order
