@@ -53,7 +53,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ncu    # gemm_lut.cu on 8192x57344 k = 2 M = 1: ncu sections and stall samples by instruction (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-pdl    # gemm_lut.cu's two launches with programmatic dependent launch against without, fp16 and bf16; its GPU tests (~3 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-a-early # gemm_lut.cu's A loaded before the build's barrier (KBIT_LUT_A_EARLY); memcheck (~4 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-check  # gemm_lut.cu: GPU tests, memcheck, racecheck, and against mma and latency, fp16 and bf16 (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -434,16 +434,17 @@ case "${1:-}" in
       "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
-  lut-a-early)  # the table build's values of A loaded before its barrier
-    warm "" gemm_lut
+  lut-check)  # the lookup kernel as shipped: its GPU tests, sanitizers, and the four large layers against the other fused kernels
+    warm "" gemm_lut  # (the few mma and latency variants compile where first used)
+    run 150 gpu_tests_lut_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k lut
+    run 100 sanitize_lut_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_kernels.py --lut
+    run 150 sanitize_lut_racecheck_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
+      python benchmarks/sanitize_kernels.py --lut --quick
     for dt in float16 bfloat16; do
-      run 150 define_ab_${tag}_lut_a_early_${dt}_${commit}.txt python benchmarks/define_ab.py --define KBIT_LUT_A_EARLY=1 \
-        --define KBIT_LUT_A_EARLY=2 --layers 8192x57344 4096x28672 14336x4096 28672x8192 --m 1 --k 2 --kernel lut --dtype $dt
-    done
-    run 100 sanitize_lut_a_early_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_kernels.py --lut --define KBIT_LUT_A_EARLY=1
-    run 100 sanitize_lut_a_early2_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_kernels.py --lut --define KBIT_LUT_A_EARLY=2 ;;
+      run 150 lut_${tag}_${commit}_${dt}.txt python benchmarks/latency_kernel.py --layers 8192x57344 4096x28672 \
+        14336x4096 28672x8192 --m 1 --k 2 --kernels mma latency lut auto --dtype $dt --out "$out/lut_${tag}_${commit}_${dt}"
+    done ;;
   lut-pdl)  # the lookups and the sum through cuLaunchKernelEx with programmatic dependent launch (default) or not
     warm "" gemm_lut
     for dt in float16 bfloat16; do

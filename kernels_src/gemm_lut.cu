@@ -52,14 +52,6 @@ constexpr int kLutWarps = 8;           // _jit.py mirrors it (GEMM_LUT_THREADS =
 // Dynamic shared memory: the tables (64 groups x 256 entries x 4 bytes), then
 // the E4M4 decode table (256 floats); _jit.py's GEMM_LUT_SHARED is their sum.
 constexpr int kLutTableBytes = 65536;
-// KBIT_LUT_A_EARLY=1 (A/B runs; default 0): each unit's four values of A for
-// the table build are loaded before the barrier that opens the build, not
-// after it; 2: during the previous unit's last load group. ncu of the default on 8192x57344 (d31822c): 5% of the stall
-// samples wait on them (long scoreboard at their conversion), 9.7% at that
-// barrier.
-#ifndef KBIT_LUT_A_EARLY
-#define KBIT_LUT_A_EARLY 0
-#endif
 // The next unit's first tiles loaded during this unit's last ones (and so
 // across the table build): sm_90 only, where it fits 128 registers (sm_80
 // spills 32 bytes; there each unit loads its first tiles before its build).
@@ -68,6 +60,13 @@ constexpr bool kLutNextUnit = true;
 #else
 constexpr bool kLutNextUnit = false;
 #endif
+// The table build's four values of A for the next unit loaded with its first
+// tiles, so the build does not wait for them: sm_90 only too (sm_80 spills
+// 32 bytes). ncu of the build loading them itself (8192x57344, d31822c): 5%
+// of the stall samples waited on them; 1.3-2.9% less time on the four large
+// layers, fp16 and bf16, the same bits (H200, define_ab_h200_lut_a_early_*_4486dbb.txt;
+// loading them just before the build's barrier instead was 2.4-5.4% slower).
+constexpr bool kLutAEarly = kLutNextUnit;
 
 // The order in which lane (g, t) takes its 8 (q, ph) groups of a (kk, row):
 // lookup jp = 2m + e is q = (m + (g >> 1)) & 3, ph = e ^ (g & 1). The 8 lanes
@@ -96,6 +95,19 @@ template <> __device__ __forceinline__ float2 load_pair(const __nv_bfloat16* p) 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+
+// The table build's four values of A of thread group gg (two values of T in
+// each word; zero where past K_dim: 0.0 in both types) for K tile c.
+template <typename T>
+__device__ __forceinline__ void lut_load_a(const T* __restrict__ A, int c, int gg, int K_dim, unsigned& a01,
+                                           unsigned& a23) {
+  const int col = c * 256 + 32 * (4 * (gg >> 5) + ((gg >> 1) & 3)) + 16 * (gg & 1) + 2 * ((gg >> 3) & 3);
+  a01 = a23 = 0u;
+  if (col < K_dim) {  // (K_dim % 32 == 0: a group is wholly in or out)
+    a01 = __ldg(reinterpret_cast<const unsigned*>(A + col));
+    a23 = __ldg(reinterpret_cast<const unsigned*>(A + col + 8));
+  }
+}
 
 // The CTA that takes unit u of `units` over `ctas` CTAs (the largest x with
 // x * units / ctas <= u).
@@ -190,23 +202,8 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
     static_assert((S / G) % 2 == 0, "a unit starts in register group 0");
     if (u0 < u1) load_group(u0, 0, wv[0], sv[0]);
 
-#if KBIT_LUT_A_EARLY
-    // (A/B) the table build's four values of A for K tile c (two values of T
-    // each; zero is 0.0 in both types): 1, loaded before the build's barrier;
-    // 2, during the previous unit's last load group (at entry for the first)
-    auto load_a = [&](int c, unsigned& a01, unsigned& a23) {
-      const int col = c * 256 + 32 * (4 * (gg >> 5) + ((gg >> 1) & 3)) + 16 * (gg & 1) + 2 * ((gg >> 3) & 3);
-      a01 = a23 = 0u;
-      if (col < K_dim) {
-        a01 = __ldg(reinterpret_cast<const unsigned*>(A + col));
-        a23 = __ldg(reinterpret_cast<const unsigned*>(A + col + 8));
-      }
-    };
-#endif
-#if KBIT_LUT_A_EARLY == 2
-    unsigned a_next01 = 0u, a_next23 = 0u;
-    if (u0 < u1) load_a(u0 % kt_n, a_next01, a_next23);
-#endif
+    unsigned a_next01 = 0u, a_next23 = 0u;  // (kLutAEarly) the next unit's values of A
+    if (kLutAEarly && u0 < u1) lut_load_a(A, u0 % kt_n, gg, K_dim, a_next01, a_next23);
     float acc[S];
     for (int u = u0; u < u1; ++u) {
       const int rb = u / kt_n, c = u - rb * kt_n;
@@ -215,26 +212,12 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         for (int s = 0; s < S; ++s) acc[s] = 0.0f;
       }
       if (!kLutNextUnit && u > u0) load_group(u, 0, wv[0], sv[0]);
-#if KBIT_LUT_A_EARLY == 1
-      unsigned a01, a23;
-      load_a(c, a01, a23);
-#elif KBIT_LUT_A_EARLY == 2
-      const unsigned a01 = a_next01, a23 = a_next23;
-#endif
       __syncthreads();  // the previous unit's lookups are done
       {
-#if KBIT_LUT_A_EARLY
+        unsigned a01 = a_next01, a23 = a_next23;
+        if (!kLutAEarly) lut_load_a(A, c, gg, K_dim, a01, a23);
         const float2 x01 = load_pair(reinterpret_cast<const T*>(&a01));
         const float2 x23 = load_pair(reinterpret_cast<const T*>(&a23));
-#else
-        const int kk = gg >> 5, tb = (gg >> 3) & 3, q = (gg >> 1) & 3, ph = gg & 1;
-        const int col = c * 256 + 32 * (4 * kk + q) + 16 * ph + 2 * tb;
-        float2 x01 = make_float2(0.f, 0.f), x23 = make_float2(0.f, 0.f);
-        if (col < K_dim) {  // (K_dim % 32 == 0: a group is wholly in or out)
-          x01 = load_pair(A + col);
-          x23 = load_pair(A + col + 8);
-        }
-#endif
         const float cb[4] = {cb0, cb1, cb2, cb3};
         float p01[16];  // codes (a & 3, a >> 2) of columns 0 and 1
 #pragma unroll
@@ -250,9 +233,7 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         const int cur = grp & 1;
         if (grp + 1 < S / G) load_group(u, grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
         else if (kLutNextUnit && u + 1 < u1) load_group(u + 1, 0, wv[cur ^ 1], sv[cur ^ 1]);
-#if KBIT_LUT_A_EARLY == 2
-        if (grp + 1 == S / G && u + 1 < u1) load_a((u + 1) % kt_n, a_next01, a_next23);
-#endif
+        if (kLutAEarly && grp + 1 == S / G && u + 1 < u1) lut_load_a(A, (u + 1) % kt_n, gg, K_dim, a_next01, a_next23);
 #pragma unroll
         for (int i = 0; i < G; ++i) {
           float pair[16];  // index 8 x + 4 y + m: row x (0: mine), K half y (0: mine), block m in lookup order
