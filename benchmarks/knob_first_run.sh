@@ -52,7 +52,6 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ncu    # gemm_lut.cu on 8192x57344 k = 2 M = 1: ncu sections and stall samples by instruction (~3 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-pdl    # gemm_lut.cu's two launches with programmatic dependent launch against without, fp16 and bf16; its GPU tests (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-check  # gemm_lut.cu: GPU tests, memcheck, racecheck, and against mma and latency, fp16 and bf16 (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -445,13 +444,6 @@ case "${1:-}" in
       run 150 lut_${tag}_${commit}_${dt}.txt python benchmarks/latency_kernel.py --layers 8192x57344 4096x28672 \
         14336x4096 28672x8192 --m 1 --k 2 --kernels mma latency lut auto --dtype $dt --out "$out/lut_${tag}_${commit}_${dt}"
     done ;;
-  lut-pdl)  # the lookups and the sum through cuLaunchKernelEx with programmatic dependent launch (default) or not
-    warm "" gemm_lut
-    for dt in float16 bfloat16; do
-      run 150 define_ab_${tag}_lut_pdl_${dt}_${commit}.txt python benchmarks/define_ab.py --define _launch.PDL=0 \
-        --layers 8192x57344 4096x28672 14336x4096 28672x8192 --m 1 --k 2 --kernel lut --dtype $dt
-    done
-    run 150 gpu_tests_lut_pdl_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k lut ;;
   lut-ncu)  # where gemm_lut.cu's time goes (cold L2: ncu flushes the caches before the launch)
     warm "" gemm_lut
     name=ncu_lut_8192x57344_k2_M1_${tag}_${commit}

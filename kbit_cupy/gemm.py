@@ -528,7 +528,7 @@ class _GemmPlan:
         # workspace, stream-K or whole groups)
         self.clusters = []
         self.spare = None  # the last C this plan allocated (see _output)
-        self.lut = None  # gemm_lut.cu's two launches (lookups, sum) and how each is sent
+        self.lut = None  # gemm_lut.cu's two launches (lookups, sum)
         if self.choice == "lut":
             self.lut = _plan_lut_launches(M, weight, dtype, stream)
             return
@@ -652,11 +652,11 @@ class _GemmPlan:
                 _launch_kernel(*single[0], stream, single[1], 0)
             return C
         if self.lut is not None:
-            lookups, total, run_lookups, run_total = self.lut
+            lookups, total = self.lut
             lookups.set(_LUT_ARG_A, a)
             total.set(_LUT_ARG_C, c)
-            run_lookups(stream)
-            run_total(stream)
+            lookups(stream)
+            total(stream)
             return C
         K_bytes, N_bytes = self.K_dim * self.dtype.itemsize, self.N * self.dtype.itemsize
         if self.scratch is not None:
@@ -1508,10 +1508,7 @@ def lut_slots(row_blocks: int, k_tiles: int, ctas: int) -> int:
 
 
 def _plan_lut_launches(M: int, weight: KbitWeight, dtype, stream: int):
-    """gemm_lut.cu's lookups and sum for one row of A (A and C set per call
-    on the first two), and how each is sent: through cuLaunchKernelEx with
-    programmatic dependent launch where the device has it (both kernels begin
-    with grid_dependency_sync), else the launches themselves.
+    """gemm_lut.cu's lookups and sum for one row of A (A and C set per call).
     ValueError where the weight or A is not what it takes."""
     if weight.k != 2:
         raise ValueError(f"kernel='lut' runs k = 2 weights only, this one has k={weight.k}; "
@@ -1540,9 +1537,7 @@ def _plan_lut_launches(M: int, weight: KbitWeight, dtype, stream: int):
     lookups = _launch.Launch(lookups_k, (ctas,), (_jit.GEMM_LUT_THREADS,), _jit.GEMM_LUT_SHARED,
                              _LUT_ARG_TYPES, values)
     total = _launch.Launch(total_k, (math.ceil(N / 256),), (256,), 0, _LUT_ARG_TYPES, values)
-    if _launch.pdl_supported():  # the sum's launch starts as the lookups' CTAs exit
-        return lookups, total, _launch.PdlLaunch(lookups), _launch.PdlLaunch(total)
-    return lookups, total, lookups, total
+    return lookups, total
 
 
 def _latency_rows(K_dim: int, itemsize: int) -> int:

@@ -125,7 +125,6 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
                   const float* __restrict__ codebook, const T* __restrict__ A, float* __restrict__ part,
                   T* __restrict__ C, int N, int K_dim, int kt_n, int rt_n, int units, int ctas) {
   static_assert(S % G == 0, "whole load groups");
-  grid_dependency_sync();  // (gemm.py launches both with programmatic dependent launch on sm_90)
   if constexpr (SUM) {
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
     if (n >= N) return;

@@ -17,7 +17,21 @@ __device__ __forceinline__ void stamp_clocks(unsigned long long* p) {
   p[1] = c;
 }
 
-// (grid_dependency_sync, the programmatic dependent launch's wait: common.cuh)
+// Programmatic dependent launch (sm_90). gemm.py may launch the GEMM kernels with
+// CUDA's programmatic-stream-serialization attribute, so that a launch queued
+// behind another kernel starts as that kernel's CTAs exit (the implicit
+// trigger: the kernels never call launch_dependents, which measured slower
+// at M = 1 on the H100: the next grid's CTAs took SM slots early and unevenly)
+// instead of after its grid has completed. Every CTA first waits until the
+// kernels before it have completed and their writes are visible: nothing in
+// a kernel touches memory before that, so it reads A, the workspace and
+// the counters exactly as a serialized launch would. Without the attribute,
+// or before sm_90, the wait is a no-op.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // Thread-block clusters (sm_90: gemm_latency.cu's cluster split, gemm_mma.cu's
 // split K on the Hopper path; no-ops before sm_90).

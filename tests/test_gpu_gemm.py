@@ -831,28 +831,6 @@ def test_lut_kernel_units_across_row_blocks(monkeypatch, dtype):
     assert diff.max() <= 1e-2 * np.abs(ref).max()
 
 
-def test_lut_kernel_programmatic_launch(monkeypatch):
-    """On sm_90 both launches go through cuLaunchKernelEx with programmatic
-    dependent launch (the sum's CTAs start as the lookups' exit); the same
-    bits as plain launches (KBIT_CUPY_PDL=0's switch)."""
-    import cupy as cp
-
-    from kbit_cupy import _launch
-
-    needs_kernel("lut")
-    if not _launch.pdl_supported():
-        pytest.skip("programmatic dependent launch needs sm_90 and cuLaunchKernelEx")
-    w, A, C = run_case(1, 4000, 4128, 2, np.float16, "lut", seed=7)
-    lookups, total, run_lookups, run_total = next(iter(w._plans.values())).lut
-    assert isinstance(run_lookups, _launch.PdlLaunch) and isinstance(run_total, _launch.PdlLaunch)
-    monkeypatch.setattr(_launch, "PDL", False)
-    w._plans.clear()
-    plain = kbit_gemm(cp.asarray(A), w, kernel="lut")
-    lookups, total, run_lookups, run_total = next(iter(w._plans.values())).lut
-    assert run_lookups is lookups and run_total is total
-    assert np.array_equal(cp.asnumpy(plain).view(np.uint16), cp.asnumpy(C).view(np.uint16))
-
-
 def test_lut_kernel_refuses_what_it_cannot_run():
     import cupy as cp
 
