@@ -67,12 +67,6 @@ constexpr bool kLutNextUnit = false;
 // layers, fp16 and bf16, the same bits (H200, define_ab_h200_lut_a_early_*_4486dbb.txt;
 // loading them just before the build's barrier instead was 2.4-5.4% slower).
 constexpr bool kLutAEarly = kLutNextUnit;
-// KBIT_LUT_GROUPS (A/B runs; default 2): register groups of G tiles a warp
-// cycles through, so its loads run kLutGroups - 1 groups ahead of its lookups.
-#ifndef KBIT_LUT_GROUPS
-#define KBIT_LUT_GROUPS 2
-#endif
-constexpr int kLutGroups = KBIT_LUT_GROUPS;
 
 // The order in which lane (g, t) takes its 8 (q, ph) groups of a (kk, row):
 // lookup jp = 2m + e is q = (m + (g >> 1)) & 3, ph = e ^ (g & 1). The 8 lanes
@@ -180,12 +174,11 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
     const int lane_word = lane + 32 * (t & 1);                           // w[0]'s 16 bytes (w[1]: ^ 32)
     const unsigned step_tiles = kLutWarps * (unsigned)kt_n;              // tiles between a warp's steps
 
-    // The loads of unit u's group grp into one of kLutGroups register groups,
-    // kLutGroups - 1 groups ahead of the lookups. The first groups of the
-    // next unit are loaded during the last ones of this one (kLutNextUnit).
-    constexpr int R = kLutGroups;
-    uint4 wv[R][G][2];
-    unsigned sv[R][G];
+    // The loads of unit u's group grp into one of two register groups. The
+    // first group of the next unit is loaded during the last group of this
+    // one (kLutNextUnit).
+    uint4 wv[2][G][2];
+    unsigned sv[2][G];
     auto load_group = [&](int u, int grp, uint4 (*w)[2], unsigned* sc) {
       const int rb = u / kt_n, c = u - rb * kt_n;
       const int tile0 = rb * kLutWarps * S + warp;
@@ -205,11 +198,8 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         }
       }
     };
-    static_assert((S / G) % R == 0 && R >= 2, "a unit starts in register group 0");
-    if (u0 < u1) {
-#pragma unroll
-      for (int j = 0; j + 1 < R; ++j) load_group(u0, j, wv[j], sv[j]);
-    }
+    static_assert((S / G) % 2 == 0, "a unit starts in register group 0");
+    if (u0 < u1) load_group(u0, 0, wv[0], sv[0]);
 
     unsigned a_next01 = 0u, a_next23 = 0u;  // (kLutAEarly) the next unit's values of A
     if (kLutAEarly && u0 < u1) lut_load_a(A, u0 % kt_n, gg, K_dim, a_next01, a_next23);
@@ -220,10 +210,7 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
 #pragma unroll
         for (int s = 0; s < S; ++s) acc[s] = 0.0f;
       }
-      if (!kLutNextUnit && u > u0) {
-#pragma unroll
-        for (int j = 0; j + 1 < R; ++j) load_group(u, j, wv[j], sv[j]);
-      }
+      if (!kLutNextUnit && u > u0) load_group(u, 0, wv[0], sv[0]);
       __syncthreads();  // the previous unit's lookups are done
       {
         unsigned a01 = a_next01, a23 = a_next23;
@@ -242,9 +229,9 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
       __syncthreads();
 #pragma unroll
       for (int grp = 0; grp < S / G; ++grp) {
-        const int cur = grp % R, ahead = grp + R - 1, next = ahead % R;
-        if (ahead < S / G) load_group(u, ahead, wv[next], sv[next]);
-        else if (kLutNextUnit && u + 1 < u1) load_group(u + 1, ahead - S / G, wv[next], sv[next]);
+        const int cur = grp & 1;
+        if (grp + 1 < S / G) load_group(u, grp + 1, wv[cur ^ 1], sv[cur ^ 1]);
+        else if (kLutNextUnit && u + 1 < u1) load_group(u + 1, 0, wv[cur ^ 1], sv[cur ^ 1]);
         if (kLutAEarly && grp + 1 == S / G && u + 1 < u1) lut_load_a(A, (u + 1) % kt_n, gg, K_dim, a_next01, a_next23);
 #pragma unroll
         for (int i = 0; i < G; ++i) {
