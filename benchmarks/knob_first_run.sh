@@ -52,7 +52,6 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-setup  # stall samples by instruction, moe_linear's set-up at 512 experts T = 8 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ncu    # gemm_lut.cu on 8192x57344 k = 2 M = 1: ncu sections and stall samples by instruction (~3 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-loads  # gemm_lut.cu's weight loads: whole lines a load (KBIT_LUT_LINES), the L2 evict_first policy (KBIT_LUT_L2_HINT); memcheck (~4 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-check  # gemm_lut.cu: GPU tests, memcheck, racecheck, and against mma and latency, fp16 and bf16 (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
@@ -434,14 +433,6 @@ case "${1:-}" in
       "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
-  lut-loads)  # the weight loads: four whole lines each, and the mma kernels' L2 policy
-    warm "" gemm_lut
-    run 240 define_ab_${tag}_lut_loads_${commit}.txt python benchmarks/define_ab.py \
-      --define KBIT_LUT_LINES=1 --define KBIT_LUT_L2_HINT=1 --define KBIT_LUT_L2_HINT=1,KBIT_WEIGHT_L2_HINT=2 \
-      --define KBIT_LUT_LINES=1,KBIT_LUT_L2_HINT=1 --layers 8192x57344 4096x28672 14336x4096 28672x8192 \
-      --m 1 --k 2 --kernel lut
-    run 100 sanitize_lut_lines_memcheck_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_kernels.py --lut --define KBIT_LUT_LINES=1,KBIT_LUT_L2_HINT=1 ;;
   lut-check)  # the lookup kernel as shipped: its GPU tests, sanitizers, and the four large layers against the other fused kernels
     warm "" gemm_lut  # (the few mma and latency variants compile where first used)
     run 150 gpu_tests_lut_${tag}_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k lut

@@ -136,8 +136,8 @@ def all_variants() -> list[Variant]:
                     for m_tiles in GEMM_CLUSTER_M_TILES:  # the cluster split (sm_90a)
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, True)))
     for dtype in ("float16", "bfloat16"):  # k = 2 at M = 1 by table lookups (E4M4 scales)
-        for total in (False, True):
-            out.append(Variant("gemm_lut", gemm_lut_args(dtype, GEMM_LUT_TABLE_AT, total)))
+        for total, l2_hint in ((False, False), (False, True), (True, False)):
+            out.append(Variant("gemm_lut", gemm_lut_args(dtype, GEMM_LUT_TABLE_AT, total, l2_hint)))
     out += [Variant(v.family, folded) for v in out
             if (folded := cb_fold_variant(v.family, v.args)) is not None]
     out.append(Variant("moe_route", (MOE_ROUTE_THREADS,)))
@@ -215,10 +215,12 @@ GEMM_LUT_SHARED = 65536 + 1024
 GEMM_LUT_TABLE_AT = 1024
 
 
-def gemm_lut_args(dtype: str, table_at: int, total: bool) -> tuple:
+def gemm_lut_args(dtype: str, table_at: int, total: bool, l2_hint: bool = False) -> tuple:
     """gemm_lut.cu's template arguments: the lookups (``total`` False) or the
-    sum of their slots into C (True)."""
-    return (GEMM_LUT_S, GEMM_LUT_G, dtype, int(table_at), bool(total))
+    sum of their slots into C (True); ``l2_hint``: the lookups' weight loads
+    with the L2 evict_first policy (gemm.py _LUT_L2_HINT_MIN_N)."""
+    args = (GEMM_LUT_S, GEMM_LUT_G, dtype, int(table_at), bool(total))
+    return args + (True,) if l2_hint else args
 # gemm_latency.cu KBIT_LATENCY_KSPLIT: units of work per K tile (1: a warp takes
 # whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
 # half or quarter tiles)

@@ -990,6 +990,12 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
 # kernel is nearer the read.
 _LUT_MIN_N = 4096
 _LUT_MIN_WEIGHTS = 1 << 25
+# The lookups' weight loads take the mma kernels' L2 evict_first policy
+# (gemm_lut.cu L2_HINT) from this many rows: H200, fp16, one process
+# (results/define_ab_h200_lut_loads_8a7b051.txt): 8192x57344 49.02 -> 47.24 us,
+# 4096x28672 18.61 -> 17.94, 28672x8192 30.76 -> 29.91, but 14336x4096 11.73
+# -> 12.34 (4096 rows). The same bits either way.
+_LUT_L2_HINT_MIN_N = 8192
 
 
 def _lut_wins(M: int, N: int, K_dim: int, k: int, scale: str, wgmma: bool, tbps: float) -> bool:
@@ -1525,7 +1531,8 @@ def _plan_lut_launches(M: int, weight: KbitWeight, dtype, stream: int):
     N, K_dim = weight.shape
     tiles, scales = weight.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
-    lookups_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, False))
+    l2_hint = N >= _LUT_L2_HINT_MIN_N
+    lookups_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, False, l2_hint))
     total_k = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(dtype.name, table_at, True))
     per_sm = launch_ctas_per_sm(lookups_k, _jit.GEMM_LUT_THREADS, _jit.GEMM_LUT_SHARED)
     if per_sm < 1:

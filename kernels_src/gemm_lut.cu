@@ -45,6 +45,7 @@
 // throughout (codebook entries, activations and products are not rounded to
 // fp16 first): within FORMAT.md section 7 of the reference.
 #include "common.cuh"
+// (mma_common.cuh: ldg_weight and its L2 policy, the L2_HINT loads)
 #include "mma_common.cuh"
 
 namespace kbit {
@@ -53,21 +54,6 @@ constexpr int kLutWarps = 8;           // _jit.py mirrors it (GEMM_LUT_THREADS =
 // Dynamic shared memory: the tables (64 groups x 256 entries x 4 bytes), then
 // the E4M4 decode table (256 floats); _jit.py's GEMM_LUT_SHARED is their sum.
 constexpr int kLutTableBytes = 65536;
-// KBIT_LUT_L2_HINT=1 (A/B runs; default 0): the weight words and scales are
-// loaded with mma_common.cuh's ldg_weight (an L2 evict_first policy; with
-// KBIT_WEIGHT_L2_HINT=2 also no L1 allocation), as the mma kernels load
-// theirs, instead of plain __ldg.
-#ifndef KBIT_LUT_L2_HINT
-#define KBIT_LUT_L2_HINT 0
-#endif
-// KBIT_LUT_LINES=1 (A/B runs; default 0): lane l loads words l and l + 32 of
-// a tile (its two loads each read four whole 128-byte lines) and takes its
-// own K half from them by selects where it uses them, instead of loading
-// "mine" and "theirs" (each load then reads half of all eight lines, and
-// the second finds them in L1: ncu's 48% L1 hit rate, L1/TEX 77% busy).
-#ifndef KBIT_LUT_LINES
-#define KBIT_LUT_LINES 0
-#endif
 // The next unit's first tiles loaded during this unit's last ones (and so
 // across the table build): sm_90 only, where it fits 128 registers (sm_80
 // spills 32 bytes; there each unit loads its first tiles before its build).
@@ -135,7 +121,8 @@ template <int S,         // 16-row tiles a warp takes per unit (rows per row blo
           int G,         // tiles a warp loads ahead, twice (two register groups)
           typename T,    // activations and C: __half or __nv_bfloat16
           int TABLE_AT,  // shared-window offset of the dynamic shared memory
-          bool SUM>      // false: the lookups into part; true: part's slots into C
+          bool SUM,      // false: the lookups into part; true: part's slots into C
+          bool L2_HINT = false>  // the weight loads with mma_common.cuh's L2 evict_first policy
 __global__ void __launch_bounds__(32 * kLutWarps, 2)
     kbit_gemm_lut(const uint4* __restrict__ tiles, const unsigned* __restrict__ scales,
                   const float* __restrict__ codebook, const T* __restrict__ A, float* __restrict__ part,
@@ -195,20 +182,13 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
     // one (kLutNextUnit).
     uint4 wv[2][G][2];
     unsigned sv[2][G];
-#if KBIT_LUT_L2_HINT
-    const unsigned long long policy = weight_l2_policy();
-#endif
+    const unsigned long long policy = L2_HINT ? weight_l2_policy() : 0ull;
     auto load_group = [&](int u, int grp, uint4 (*w)[2], unsigned* sc) {
       const int rb = u / kt_n, c = u - rb * kt_n;
       const int tile0 = rb * kLutWarps * S + warp;
       const int steps = (rt_n - tile0 + kLutWarps - 1) / kLutWarps;  // tiles of this warp that exist
-#if KBIT_LUT_LINES
-      const uint4* w_ptr = tiles + ((long long)tile0 * kt_n + c) * 64 + lane;  // K half 0
-      const uint4* w_ptr1 = w_ptr + 32;                                        // K half 1
-#else
       const uint4* w_ptr = tiles + ((long long)tile0 * kt_n + c) * 64 + lane_word;
       const uint4* w_ptr1 = w_ptr + ((t & 1) ? -32 : 32);  // the other K half
-#endif
       const unsigned* s_ptr = scales + ((long long)tile0 * kt_n + c) * 32 + scale_word;
 #pragma unroll
       for (int i = 0; i < G; ++i) {
@@ -216,15 +196,15 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
         sc[i] = 0u;
         if ((int)s < steps) {
-#if KBIT_LUT_L2_HINT
-          w[i][0] = ldg_weight(w_ptr + s * step_tiles * 64u, policy);
-          w[i][1] = ldg_weight(w_ptr1 + s * step_tiles * 64u, policy);
-          sc[i] = ldg_weight(s_ptr + s * step_tiles * 32u, policy);
-#else
-          w[i][0] = __ldg(w_ptr + s * step_tiles * 64u);
-          w[i][1] = __ldg(w_ptr1 + s * step_tiles * 64u);
-          sc[i] = __ldg(s_ptr + s * step_tiles * 32u);
-#endif
+          if constexpr (L2_HINT) {
+            w[i][0] = ldg_weight(w_ptr + s * step_tiles * 64u, policy);
+            w[i][1] = ldg_weight(w_ptr1 + s * step_tiles * 64u, policy);
+            sc[i] = ldg_weight(s_ptr + s * step_tiles * 32u, policy);
+          } else {
+            w[i][0] = __ldg(w_ptr + s * step_tiles * 64u);
+            w[i][1] = __ldg(w_ptr1 + s * step_tiles * 64u);
+            sc[i] = __ldg(s_ptr + s * step_tiles * 32u);
+          }
         }
       }
     };
@@ -268,13 +248,7 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
           float pair[16];  // index 8 x + 4 y + m: row x (0: mine), K half y (0: mine), block m in lookup order
 #pragma unroll
           for (int y = 0; y < 2; ++y) {
-#if KBIT_LUT_LINES
-            const uint4 a = wv[cur][i][y], b = wv[cur][i][y ^ 1];  // K halves y, y ^ 1
-            const bool odd = t & 1;                                // (mine is K half 1)
-            const uint4 w = make_uint4(odd ? b.x : a.x, odd ? b.y : a.y, odd ? b.z : a.z, odd ? b.w : a.w);
-#else
             const uint4 w = wv[cur][i][y];
-#endif
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
               const unsigned X0 = __byte_perm(w.x, w.y, row_sel[x]);  // groups q = 0, 1

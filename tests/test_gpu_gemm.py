@@ -831,6 +831,30 @@ def test_lut_kernel_units_across_row_blocks(monkeypatch, dtype):
     assert diff.max() <= 1e-2 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lut_kernel_l2_hint_from_8192_rows(monkeypatch, dtype):
+    """From gemm._LUT_L2_HINT_MIN_N rows the lookups load the weights with the
+    L2 evict_first policy (the L2_HINT variant), below it without; either
+    way the same bits."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, gemm
+
+    needs_kernel("lut")
+    table_at = gemm._reserved_shared()
+    for N, hinted in [(8200, True), (8191, False)]:
+        w, A, C = run_case(1, N, 512, 2, dtype, "lut", seed=N)
+        lookups = next(iter(w._plans.values())).lut[0]
+        kern = _jit.get_kernel("gemm_lut", *_jit.gemm_lut_args(np.dtype(dtype).name, table_at, False, hinted))
+        assert lookups.func == kern.kernel.ptr
+        monkeypatch.setattr(gemm, "_LUT_L2_HINT_MIN_N", 1 if not hinted else 10**9)
+        w._plans.clear()
+        other = kbit_gemm(cp.asarray(A), w, kernel="lut")
+        assert next(iter(w._plans.values())).lut[0].func != lookups.func
+        assert np.array_equal(cp.asnumpy(other).view(np.uint16), cp.asnumpy(C).view(np.uint16))
+        monkeypatch.undo()
+
+
 def test_lut_kernel_refuses_what_it_cannot_run():
     import cupy as cp
 
