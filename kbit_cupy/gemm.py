@@ -981,10 +981,10 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
 # gemm_lut.cu (kernel="lut") where "auto" takes it: k = 2, one row of A, E4M4
 # scales, on sm_90 GPUs of at least _FAST_TBPS, layers of at least
 # _LUT_MIN_N rows and _LUT_MIN_WEIGHTS weights. H200, kernel-only, one
-# process, against mma and the latency kernel (results/lut_h200_0b324c5_*.md,
-# fp16 / bf16 within 0.5% of each other): 8192x57344 49.5 us against 62.2
-# (mma), 4096x28672 18.3 against 21.0 (latency), 14336x4096 12.0 against 12.5
-# (latency), 28672x8192 31.3 against 34.4 (mma). Each CTA builds its tables
+# process, against mma and the latency kernel (results/lut_h200_2135dd2_*.md,
+# fp16 / bf16 within 0.7% of each other): 8192x57344 47.3 us against 62.4
+# (mma), 4096x28672 17.7 against 21.3 (latency), 14336x4096 11.8 against 12.6
+# (latency), 28672x8192 29.6 against 34.7 (mma). Each CTA builds its tables
 # for a row block of 1024 rows, so not below 4096 rows; not below 2^25 weights
 # (not measured there). Not measured on the H100 (3.35 TB/s), where the mma
 # kernel is nearer the read.

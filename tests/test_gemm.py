@@ -958,7 +958,7 @@ def test_k2_one_row_takes_the_lookups_against_their_run(dtype):
     # it is the fastest fused kernel, which is all four.
     from kbit_cupy.gemm import choose_kernel
 
-    runs = _committed_runs(f"lut_h200_0b324c5_{dtype}.json")
+    runs = _committed_runs(f"lut_h200_2135dd2_{dtype}.json")
     assert len(runs) == 1
     times: dict[tuple, dict] = {}
     for r in runs[0]["records"]:
