@@ -27,7 +27,10 @@
 // row holds the codes of columns 32 j + 16 ph + 2 t + {0, 1, 8, 9} as 2-bit
 // fields, so entry i's four codes are (i >> 2e) & 3. Lane 4g + t loads its
 // four words of each kk as one 16-byte load (the mma fragment's own): a warp
-// step is one whole tile, two coalesced loads.
+// step is one whole tile, two loads that each read half of its eight 128-byte
+// lines (loads of four whole lines each, with selects, were slower: NOTES
+// "The lookup kernel's stalls"). From 8192 rows gemm.py takes the L2_HINT
+// variant, whose loads carry the mma kernels' L2 evict_first policy.
 //
 // Tables: group G = 32 kk + 8 t + 2 q + ph; entry i of group G at word
 // i * 64 + G, so a lookup's bank is G mod 32 = 8 t + 2 q + ph. The 8 lanes of
