@@ -960,7 +960,8 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
         wgmma = _device_has_wgmma()
     if tbps is None:
         tbps = _device_tbps()
-    if _lut_wins(M, N, K_dim, k, scale, bool(wgmma), float(tbps)):
+    if _lut_wins(M, N, K_dim, k, scale, bool(wgmma), float(tbps),
+                 _device_sms() if sms is None else sms):
         return "lut"
     lat_max, cl_max, mma_max, wg_max = _dispatch(N, K_dim, k, _is_fp16(dtype), bool(wgmma),
                                                  float(tbps))
@@ -998,9 +999,32 @@ _LUT_MIN_WEIGHTS = 1 << 25
 _LUT_L2_HINT_MIN_N = 8192
 
 
-def _lut_wins(M: int, N: int, K_dim: int, k: int, scale: str, wgmma: bool, tbps: float) -> bool:
+# ... and only where its units (1024 rows by 256 columns each, whole units a
+# CTA, two CTAs an SM) fill at least this share of the CTAs' unit slots over
+# the launch (_lut_fill). H200, fp16, one process
+# (results/lut_range_h200_c73e850_float16.md): 5120x13824 (280 units on 264
+# CTAs: two rounds, fill 0.53) 16.85 us against mma's 15.65, 13824x5120 (270,
+# 0.51) 17.47 against the latency kernel's 15.59, 8192x4096 (128, 0.48) 9.15
+# against 8.84; the four layers above fill 0.85-0.97 and 16384x16384 (0.97)
+# 29.5 against 37.9. 4096x8192 (128 units, 0.48) is the one loss of the rule:
+# 8.59 against the latency kernel's 8.90.
+_LUT_MIN_FILL = 0.8
+_LUT_CTAS_PER_SM = 2  # gemm_lut.cu's __launch_bounds__ (65 KB of tables a CTA)
+
+
+def _lut_fill(N: int, K_dim: int, sms: int) -> float:
+    """The share of gemm_lut.cu's CTA unit slots that hold a unit: units over
+    (rounds x CTAs), a CTA taking whole units (ceil(units / CTAs) rounds)."""
+    units = lut_units(N, K_dim)[1]
+    slots = _LUT_CTAS_PER_SM * sms
+    return units / (math.ceil(units / slots) * slots)
+
+
+def _lut_wins(M: int, N: int, K_dim: int, k: int, scale: str, wgmma: bool, tbps: float,
+              sms: int) -> bool:
     return (M == 1 and k == 2 and scale == "uint8" and wgmma and tbps >= _FAST_TBPS
-            and N >= _LUT_MIN_N and N * K_dim >= _LUT_MIN_WEIGHTS)
+            and N >= _LUT_MIN_N and N * K_dim >= _LUT_MIN_WEIGHTS
+            and _lut_fill(N, K_dim, sms) >= _LUT_MIN_FILL)
 
 
 # The last wave's fill from which a mid layer's slab chunks beat dequantize +

@@ -953,24 +953,34 @@ def _rows_decided_since(M, N, K_dim, k, wgmma, k2=True) -> bool:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_k2_one_row_takes_the_lookups_against_their_run(dtype):
     # kernel="auto" takes gemm_lut.cu (k = 2, M = 1, E4M4 scales) on sm_90 at 4
-    # TB/s or more, from 4096 rows and 2^25 weights: at every layer of the
-    # H200's run (benchmarks/latency_kernel.py, kernel-only, one process) where
-    # it is the fastest fused kernel, which is all four.
+    # TB/s or more, from 4096 rows and 2^25 weights, where its units fill the
+    # CTAs (gemm._lut_fill): against the H200's runs (benchmarks/latency_kernel.py,
+    # kernel-only, one process), it is the fastest fused kernel wherever it is
+    # taken, and where it is not, the kernel taken is within 5% of the fastest.
     from kbit_cupy.gemm import choose_kernel
 
-    runs = _committed_runs(f"lut_h200_2135dd2_{dtype}.json")
-    assert len(runs) == 1
+    names = [f"lut_h200_2135dd2_{dtype}.json"]
+    if dtype == "float16":  # (the layers around the rule's edges: fp16 only)
+        names.append("lut_range_h200_c73e850_float16.json")
     times: dict[tuple, dict] = {}
-    for r in runs[0]["records"]:
-        if r["k"] == 2:  # (cuBLAS's records carry k = 16)
-            times.setdefault((r["K_dim"], r["N"], r["M"], r["k"]), {})[r["kernel"]] = r["graph_us"]
-    checked = 0
+    for name in names:
+        runs = _committed_runs(name)
+        assert len(runs) == 1
+        for r in runs[0]["records"]:
+            if r["k"] == 2:  # (cuBLAS's records carry k = 16)
+                times.setdefault((r["K_dim"], r["N"], r["M"], r["k"]), {})[r["kernel"]] = r["graph_us"]
+    taken = []
     for (K_dim, N, M, k), t in times.items():
         fused = {kern: t[kern] for kern in ("mma", "latency", "lut")}
-        chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8)
-        assert chosen == "lut" and fused["lut"] == min(fused.values()), (K_dim, N, chosen, t)
-        checked += 1
-    assert checked == 4
+        chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8, sms=132)
+        if chosen == "lut":
+            assert fused["lut"] == min(fused.values()), (K_dim, N, t)
+            taken.append((K_dim, N))
+        else:
+            assert fused[chosen] <= 1.05 * min(fused.values()), (K_dim, N, chosen, t)
+    assert sorted(taken) == sorted([(8192, 57344), (4096, 28672), (14336, 4096), (28672, 8192)]
+                                   + ([(16384, 16384)] if dtype == "float16" else []))
+    assert len(times) == (9 if dtype == "float16" else 4)
     # not on the H100's bandwidth (not measured there), with fp16 scales, past one
     # row, at other k, on fewer rows or weights
     assert choose_kernel(1, 57344, 8192, 2, dtype, wgmma=True, tbps=3.35) != "lut"
