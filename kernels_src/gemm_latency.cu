@@ -257,6 +257,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                      "l"(valid ? a_row + 8 * c : a_row), "r"(valid ? 16 : 0));
       }
+      asm volatile("cp.async.commit_group;\n" ::);
       cb_lane_routed = codebook[lane & ((1 << K) - 1)];
       cb_hi_routed = codebook[(lane >> 2) & 3];
     }
