@@ -53,8 +53,6 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ncu    # gemm_lut.cu on 8192x57344 k = 2 M = 1: ncu sections and stall samples by instruction (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-check  # gemm_lut.cu: GPU tests, memcheck, racecheck, and against mma and latency, fp16 and bf16 (~5 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh routed-ab  # moe_linear's few-pair launch, ROUTED against without: A/B (~5 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh routed-check # its GPU tests, memcheck and racecheck of the MoE launches (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -446,27 +444,6 @@ case "${1:-}" in
       run 150 lut_${tag}_${commit}_${dt}.txt python benchmarks/latency_kernel.py --layers 8192x57344 4096x28672 \
         14336x4096 28672x8192 --m 1 --k 2 --kernels mma latency lut auto --dtype $dt --out "$out/lut_${tag}_${commit}_${dt}"
     done ;;
-  routed-ab)  # moe_linear's few-pair launch: the ROUTED variant (A and the codebook before the routed id) against without
-    warm "" gemm_latency
-    off=experts._MOE_ROUTED_A_FIRST=0
-    for c in 128:2048x1536:1,2:8:4 128:768x2048:1:8:4 512:2048x512:1,2,4:10:4 128:2048x1536:1:8:2 \
-             128:2048x1536:1:8:3 128:2048x1536:1:8:5 128:2048x1536:1:8:4; do
-      IFS=: read -r e shape ts topk k <<< "$c"
-      name=moe_gap_probe_${tag}_routed_ab_${e}_${shape}_k${k}_${commit}
-      [ -e "$out/$name.txt" ] && name=${name}_again
-      run 80 $name.txt python benchmarks/moe_gap_probe.py --experts "$e" --top-k "$topk" \
-        --shape "$shape" --t ${ts//,/ } --k "$k" --ab "$off"
-    done
-    run 60 moe_gap_probe_${tag}_routed_ab_bf16_${commit}.txt python benchmarks/moe_gap_probe.py \
-      --experts 128 --top-k 8 --shape 2048x1536 --t 1 2 --dtype bfloat16 --ab "$off" ;;
-  routed-check)  # its GPU tests (the few-pair launches), memcheck and racecheck of the MoE launches
-    warm "" gemm_latency moe_route
-    run 200 gpu_tests_routed_${tag}_${commit}.txt python -m pytest -q tests/test_experts.py \
-      -k "latency or few_pair or routed or few_row"
-    run 200 sanitize_moe_memcheck_routed_${tag}_${commit}.txt compute-sanitizer --tool memcheck \
-      python benchmarks/sanitize_moe.py --quick --k 2 4 5
-    run 150 sanitize_moe_racecheck_routed_${tag}_${commit}.txt compute-sanitizer --tool racecheck \
-      python benchmarks/sanitize_moe.py --quick --k 4 ;;
   lut-ncu)  # where gemm_lut.cu's time goes (cold L2: ncu flushes the caches before the launch)
     warm "" gemm_lut
     name=ncu_lut_8192x57344_k2_M1_${tag}_${commit}

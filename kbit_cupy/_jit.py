@@ -133,10 +133,6 @@ def all_variants() -> list[Variant]:
                     if (k in MOE_LATENCY_KSPLIT_KS and k not in DENSE_LATENCY_KSPLIT_KS
                             and scale == "uint8"):  # the MoE few-pair launch (one n8 tile)
                         out.append(Variant("gemm_latency", (k, dtype, scale, 1, False, False, 2)))
-                    # moe_linear's few-pair launch, A and the codebook before the routed id
-                    # (on the GPUs that take it, those of experts._moe_latency_ksplit's half tiles)
-                    ksplit = 2 if k in MOE_LATENCY_KSPLIT_KS and scale == "uint8" else 1
-                    out.append(Variant("gemm_latency", moe_latency_args(k, dtype, scale, ksplit, True)))
                     for m_tiles in GEMM_CLUSTER_M_TILES:  # the cluster split (sm_90a)
                         out.append(Variant("gemm_latency", (k, dtype, scale, m_tiles, True)))
     for dtype in ("float16", "bfloat16"):  # k = 2 at M = 1 by table lookups (E4M4 scales)
@@ -231,17 +227,6 @@ def gemm_lut_args(dtype: str, table_at: int, total: bool, l2_hint: bool = False)
 GEMM_LATENCY_KSPLIT = 1
 # the bit widths whose MoE few-pair launch takes half K tiles (experts._MOE_LATENCY_KSPLIT)
 MOE_LATENCY_KSPLIT_KS = (4,)
-
-
-def moe_latency_args(k: int, dtype: str, scale: str, ksplit: int, routed: bool) -> tuple:
-    """gemm_latency.cu's template arguments for the MoE few-pair launch (one n8
-    tile) at KSPLIT ``ksplit`` (experts._moe_latency_ksplit); ``routed``: the
-    ROUTED variant (route_ids, moe_linear: experts._moe_routed_a_first)."""
-    if routed:
-        return (k, dtype, scale, 1, False, False, ksplit, True)
-    return (k, dtype, scale, 1, False, False, ksplit) if ksplit != 1 else (k, dtype, scale, 1)
-
-
 # the bit widths whose dense gemm_latency launch may take half K tiles
 # (gemm._dense_latency_ksplit: with E4M4 scales, at one and two n8 tiles)
 DENSE_LATENCY_KSPLIT_KS = (2, 4)
@@ -286,9 +271,8 @@ CB_FOLD_KS = (2, 5)  # the bit widths gemm._cb_fold may fold (k = 2: latency and
 
 
 # The template arguments with defaults, from the first (gemm_latency: CLUSTER,
-# FOLD, KSPLIT, ROUTED; gemm_mma: WG, GROUPED, WARPS, FOLD), and FOLD's position
-_DEFAULT_ARGS = {"gemm_latency": (4, (False, False, 1, False), 5),
-                 "gemm_mma": (5, (0, False, 4, False), 8)}
+# FOLD, KSPLIT; gemm_mma: WG, GROUPED, WARPS, FOLD), and FOLD's position
+_DEFAULT_ARGS = {"gemm_latency": (4, (False, False, 1), 5), "gemm_mma": (5, (0, False, 4, False), 8)}
 
 
 def cb_fold_variant(family: str, args: tuple) -> tuple | None:
@@ -304,8 +288,8 @@ def cb_fold_variant(family: str, args: tuple) -> tuple | None:
     full = [*args, *defaults[len(args) - first:]]
     if full[fold_at]:
         return None
-    if family == "gemm_latency" and (k != 2 or full[4] or full[7]):
-        return None  # (k = 5: mma only; not the cluster split, not moe_linear's few-pair launch)
+    if family == "gemm_latency" and (k != 2 or full[4]):  # (k = 5: mma only; not the cluster split)
+        return None
     if family == "gemm_mma" and (full[5] != 0 or full[6]):  # mma.sync, not grouped
         return None
     full[fold_at] = True

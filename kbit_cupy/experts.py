@@ -409,8 +409,7 @@ def _launch_grouped(A, experts: KbitExperts, offsets, C, row_ids=None, ids_per_r
                     and C.shape[0] * row_tiles <= _latency_moe_max_ctas(*experts.shape[1:])):
                 try:
                     found = _GroupedRun(_latency_moe_launch(experts, A.dtype, C.shape[0],
-                                                            ids_per_row, route_ids is not None),
-                                        _LATENCY_SLOTS)
+                                                            ids_per_row), _LATENCY_SLOTS)
                 except ValueError:  # a row of A longer than its shared memory holds
                     found = None
             if found is None:
@@ -510,24 +509,20 @@ def _fast_launch(experts: KbitExperts, A, rows: int, routed: bool, ids_per_row: 
     return C
 
 
-def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: int,
-                       routed: bool = False):
-    """gemm_latency.cu over ``pairs`` (token, expert) pairs, routed ids or group
-    offsets set per call: CTA (pair, row tile) multiplies the pair's row of A
-    by its expert's row tile (no grouping, no scan: the kernel's "Mixture of
-    experts"). For few pairs, where the grouped launch's scan and stream-K
-    reduction cost more than reading an expert twice costs. ``routed``: the
-    calls give routed ids (moe_linear), which may take the ROUTED variant
-    (_moe_routed_a_first)."""
+def _latency_moe_launch(experts: KbitExperts, dtype, pairs: int, ids_per_row: int):
+    """gemm_latency.cu over ``pairs`` (token, expert) pairs, routed ids set per
+    call: CTA (pair, row tile) multiplies the pair's row of A by its expert's
+    row tile (no grouping, no scan: the kernel's "Mixture of experts"). For
+    few pairs, where the grouped launch's scan and stream-K reduction cost
+    more than reading an expert twice costs."""
     E, N, K_dim = experts.shape
     tiles, scales = experts.prepare()._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     if pairs * rt_n >= 2**31:
         raise ValueError(f"too many pairs ({pairs}) for one launch; split the tokens")
     ksplit = _moe_latency_ksplit(experts.k, experts.absmax.dtype)
-    args = _jit.moe_latency_args(experts.k, dtype.name, experts.absmax.dtype.name, ksplit,
-                                 routed and _moe_routed_a_first())
-    kern = _jit.get_kernel("gemm_latency", *args)
+    kern = _jit.get_kernel("gemm_latency", experts.k, dtype.name, experts.absmax.dtype.name, 1,
+                           *((False, False, ksplit) if ksplit != 1 else ()))
     warps, shared = latency_geometry(kern, 1, kt_n, dtype.itemsize, 1, pairs * rt_n, ksplit)
     return _launch.Launch(kern, (pairs * rt_n,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, experts.codebook, 0, 0, pairs, N, K_dim, kt_n, 0,
@@ -556,20 +551,6 @@ def _moe_latency_ksplit(k: int, scale_dtype) -> int:
             and _device_tbps() >= _MOE_LATENCY_KSPLIT_MIN_TBPS):
         return _MOE_LATENCY_KSPLIT
     return 1
-
-
-# moe_linear's few-pair launch loads its row of A and the codebook before the
-# routed id (gemm_latency.cu ROUTED) on a GPU of _MOE_ROUTED_A_FIRST_MIN_TBPS
-# or more. H200, kernel-only, in one process against the variant without it
-# (results/moe_gap_probe_h200_routed_a_first_*_COMMIT.txt): see NOTES-gemm.md.
-# Not measured on the H100, which keeps the other variant. False: never (A/B runs).
-_MOE_ROUTED_A_FIRST = True
-_MOE_ROUTED_A_FIRST_MIN_TBPS = _FAST_TBPS
-
-
-def _moe_routed_a_first() -> bool:
-    """Whether moe_linear's few-pair launch takes the ROUTED variant."""
-    return _MOE_ROUTED_A_FIRST and _device_tbps() >= _MOE_ROUTED_A_FIRST_MIN_TBPS
 
 
 # moe_linear takes the latency kernel up to this many CTAs (pairs x row tiles of

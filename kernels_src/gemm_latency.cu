@@ -201,16 +201,8 @@ constexpr int kClusterMaxReads = 16;  // ranks x warps per row tile: gemm.py kee
 // KSPLIT: units of work per K tile (KBIT_LATENCY_KSPLIT above, which overrides
 // it where built other than 1); the host chooses it per launch (experts.py
 // _MOE_LATENCY_KSPLIT) and sizes the CTA from it (gemm.latency_geometry).
-// ROUTED: route_ids is non-null (moe_linear's few-pair launch; experts.py
-// _MOE_ROUTED_A_FIRST): the pair's row of A and the codebook entries are
-// loaded before the routed id, whose round trip they then do not wait for
-// (neither address depends on the expert). H200 stamps of that launch at
-// T = 1 (72a679a): A staged 2.6 us and the codebook 2.7 us after entry, with
-// the first weights at 2.6-2.9 us. A separate variant because the same code
-// for both routing forms cost kbit_grouped_gemm's few-row launch 4%
-// (NOTES-gemm.md, "A's row and the codebook before the routed id").
 template <int K, typename T, typename TScale, int M_TILES, bool CLUSTER = false, bool FOLD = false,
-          int KSPLIT = 1, bool ROUTED = false>
+          int KSPLIT = 1>
 #ifdef KBIT_LATENCY_MAXNREG
 __global__ void __maxnreg__(KBIT_LATENCY_MAXNREG)
 #else
@@ -235,37 +227,11 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   if (half_tiles) rt = blockIdx.x >> 1;
   int rows = min(M, 8 * M_TILES);  // rows of A staged (gemm.py launches M <= 8 * M_TILES)
   long long tile0 = 0;             // the first tile of W (of the pair's expert)
-  static_assert(!ROUTED || (!CLUSTER && M_TILES == 1), "ROUTED: the few-pair launch only");
-  // The activations' stage (its layout: `stage` below). It starts on a
-  // 128-byte line, whatever the static shared memory before it: 16 bytes more
-  // static shared memory (656 instead of 640) put it off one and made
-  // moe_linear's T = 1 launches 1.23-1.34x slower on the H200 with the same
-  // SASS (moe_gap_probe_h200_smem_pad_*.txt), the dense launches up to 1.45x
-  // on the H100 (define_ab_h100_smem_align_*.txt).
-  extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
-  float cb_lane_routed = 0.0f, cb_hi_routed = 0.0f;  // ROUTED: the codebook's entries (below)
   if (route_ids || group_offsets) {
     const int row_tiles = (N + 15) >> 4, pair = (int)blockIdx.x / row_tiles;
     rt = (int)blockIdx.x - pair * row_tiles;
-    if constexpr (ROUTED) {
-      // The pair's row of A into row 0 of the stage, as the staging below
-      // copies a row, and the codebook's entries, before the routed id.
-      const T* a_row = A + (long long)(pair / ids_per_row) * K_dim;
-      for (int c = threadIdx.x; c < k_tiles * 32; c += blockDim.x) {
-        const bool valid = 8 * c < K_dim;
-        const unsigned dst = (unsigned)__cvta_generic_to_shared(x_stage + c);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-                     "l"(valid ? a_row + 8 * c : a_row), "r"(valid ? 16 : 0));
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-      cb_lane_routed = codebook[lane & ((1 << K) - 1)];
-      cb_hi_routed = codebook[(lane >> 2) & 3];
-    }
     const int e = route_ids ? __ldg(route_ids + pair) : expert_of_row(group_offsets, experts, pair, M);
-    if (e < 0 || e >= experts) {
-      if constexpr (ROUTED) asm volatile("cp.async.wait_all;\n" ::);  // (no copy outlives its CTA)
-      return;  // (the whole CTA, before any other barrier)
-    }
+    if (e < 0 || e >= experts) return;  // (the whole CTA, before any other barrier)
     tile0 = (long long)e * row_tiles * k_tiles;
     A += (long long)(pair / ids_per_row) * K_dim;
     C += (long long)pair * N;
@@ -376,14 +342,18 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   // it: 0.88-0.98x on the small and mid layers at M = 4..16, 0.97-1.02x at M =
   // 1, MoE T = 1 within 1.5% (H100, define_ab_h100_latency_a_first_2cc6094.txt),
   // though the stamps show A staged 0.2-0.5 us after the first tile arrived.
-  const float cb_lane = ROUTED ? cb_lane_routed : codebook[lane & ((1 << K) - 1)];
-  const float cb_hi = ROUTED ? cb_hi_routed : codebook[(lane >> 2) & 3];
+  const float cb_lane = codebook[lane & ((1 << K) - 1)], cb_hi = codebook[(lane >> 2) & 3];
   if (kw < warp_units) load_unit(kw, w_s[0], raw_s[0]);
 
   // [rows][stride], then the partial tiles (below); CLUSTER: the partial tiles
   // first, at the same address in every CTA of the cluster (their staged
   // columns differ in number), then the rows.
-  // (x_stage: declared above, where ROUTED copies its row into it)
+  // The stage starts on a 128-byte line, whatever the static shared memory
+  // before it: 16 bytes more static shared memory (656 instead of 640) put it
+  // off one and made moe_linear's T = 1 launches 1.23-1.34x slower on the H200
+  // with the same SASS (moe_gap_probe_h200_smem_pad_*.txt), the dense launches
+  // up to 1.45x on the H100 (define_ab_h100_smem_align_*.txt).
+  extern __shared__ __align__(KBIT_LATENCY_STAGE_ALIGN) uint4 x_stage[];
   uint4* const stage = CLUSTER ? x_stage + warps * M_TILES * 32 : x_stage;
   if constexpr (CLUSTER) {
     // A CTA's rows are short (often one K tile: 32 chunks) and many (up to
@@ -398,7 +368,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                    "r"(valid ? 16 : 0));
     }
-  } else if constexpr (!ROUTED) {  // (ROUTED: copied above)
+  } else {
     for (int row = 0; row < rows; ++row) {
       for (int c = threadIdx.x; c < stride; c += blockDim.x) {
         const bool valid = 8 * c < K_dim;

@@ -342,81 +342,6 @@ def test_few_pair_launch_takes_half_k_tiles_at_k4_with_e4m4_scales(monkeypatch):
     assert gemm.latency_ksplit(2) == 4 and gemm.latency_ksplit() == 4
 
 
-def test_routed_few_pair_launch_loads_a_first_on_fast_gpus(monkeypatch):
-    # experts._moe_routed_a_first: moe_linear's few-pair launch takes the
-    # ROUTED variant (A's row and the codebook before the routed id) on a GPU
-    # of >= 4 TB/s (the H200, where it was measured), not on the H100 nor where
-    # an A/B turns it off; the compile check builds it for every bit width,
-    # dtype and scale format, at the KSPLIT of that GPU's launch, never folded.
-    from kbit_cupy import _jit
-    from kbit_cupy import experts as experts_module
-
-    first = experts_module._moe_routed_a_first
-    monkeypatch.setattr(experts_module, "_device_tbps", lambda: 3.35)  # the H100: not measured
-    assert not first()
-    monkeypatch.setattr(experts_module, "_device_tbps", lambda: 4.8)  # the H200
-    assert first()
-    names = {v.name for v in _jit.all_variants()}
-    for k in (2, 3, 4, 5):
-        for dtype in ("float16", "bfloat16"):
-            for scale in ("uint8", "float16"):
-                ksplit = experts_module._moe_latency_ksplit(k, np.dtype(scale))
-                args = _jit.moe_latency_args(k, dtype, scale, ksplit, True)
-                assert args[-1] is True and args[6] == ksplit
-                assert _jit.kernel_name("gemm_latency", *args) in names, args
-                assert _jit.cb_fold_variant("gemm_latency", args) is None
-                plain = _jit.moe_latency_args(k, dtype, scale, ksplit, False)
-                assert _jit.kernel_name("gemm_latency", *plain) in names, plain
-    assert _jit.moe_latency_args(2, "float16", "uint8", 1, False) == (2, "float16", "uint8", 1)
-    monkeypatch.setattr(experts_module, "_MOE_ROUTED_A_FIRST", False)
-    assert not first()
-
-
-@gpu_test
-@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
-@pytest.mark.parametrize("E, N, K_dim, T, top_k", _LATENCY_CASES)
-def test_gpu_routed_few_pair_launch_a_first_same_bits(E, N, K_dim, T, top_k, k, dtype,
-                                                      monkeypatch, kernel_requests):
-    """moe_linear's few-pair launch with A's row and the codebook loaded before
-    the routed id (gemm_latency.cu ROUTED) gives the same bits as without,
-    every element written, and with ids outside [0, E) (validate=False) leaves
-    only their rows unwritten; kbit_grouped_gemm's few-row launch never takes it."""
-    import cupy as cp
-
-    from kbit_cupy import experts as experts_module
-
-    monkeypatch.setattr(experts_module, "_latency_moe_max_ctas", lambda N, K_dim: 10**9)
-    monkeypatch.setattr(experts_module, "_MOE_ROUTED_A_FIRST_MIN_TBPS", 0.0)  # any GPU
-    asked = kernel_requests
-    ex, x, ids = _device_case(E, N, K_dim, T, top_k, k, dtype, seed=k + 50)
-    bad = ids.copy()
-    bad[0, 0], bad[T - 1, top_k - 1] = E, -1
-    written = np.ones((T, top_k), bool)
-    written[0, 0] = written[T - 1, top_k - 1] = False
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(experts_module, "_MOE_ROUTED_A_FIRST", on)
-        ex._plans = {}
-        del asked[:]
-        out = cp.full((T, top_k, N), np.nan, dtype=dtype)
-        full = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex, out=out))
-        assert not np.isnan(full.astype(np.float32)).any(), on
-        out = cp.full((T, top_k, N), np.nan, dtype=dtype)
-        part = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(bad), ex, out=out, validate=False))
-        assert np.isnan(part[~written].astype(np.float32)).all(), on
-        assert np.array_equal(part[written].view(np.uint16), full[written].view(np.uint16)), on
-        latency = [args for family, args in asked if family == "gemm_latency"]
-        assert latency and all((len(a) == 8 and a[7]) == on for a in latency), (on, latency)
-        got[on] = full
-        _, order, offsets = _grouped(ids, E)
-        del asked[:]
-        kbit_grouped_gemm(cp.asarray(x[order // top_k]), ex, cp.asarray(offsets))
-        assert all(len(a) < 8 for family, a in asked if family == "gemm_latency"), asked
-    assert np.array_equal(got[True].view(np.uint16), got[False].view(np.uint16))
-    assert rel_error(got[True], reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)]
-
-
 @gpu_test
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("E, N, K_dim, T, top_k", _LATENCY_CASES)
@@ -445,7 +370,7 @@ def test_gpu_few_pair_launch_half_k_tiles_against_whole_tiles(E, N, K_dim, T, to
         again = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
         assert np.array_equal(again.view(np.uint16), got[ksplit].view(np.uint16)), ksplit
         latency = [args for family, args in asked if family == "gemm_latency"]
-        assert latency and all((a[6] if len(a) > 4 else 1) == ksplit for a in latency), latency
+        assert latency and all(len(a) == (7 if ksplit == 2 else 4) for a in latency), latency
         blocks[ksplit] = {run._launch.block[0] for run in ex._plans.values()}
         assert rel_error(got[ksplit], reference(x, ids, ex)) <= BOUNDS[np.dtype(dtype)], ksplit
     kt = K_dim // 256 + (K_dim % 256 > 0)
