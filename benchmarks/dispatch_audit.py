@@ -33,7 +33,13 @@ def main() -> int:
     p.add_argument("--k", nargs="+", type=int, default=[2, 3, 4, 5])
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--kernels", nargs="+", default=None,
+                   help="the kernels to time besides auto (default: every one of gemm.KERNELS)")
     p.add_argument("--dequant-from", type=int, default=64, help="time dequant from this M")
+    p.add_argument("--latency-max-m", type=int, default=64,
+                   help="time the latency kernel up to this M (past it, it runs in several launches "
+                        "at many times the others' time)")
+    p.add_argument("--cluster-max-m", type=int, default=256, help="time the cluster split up to this M")
     p.add_argument("--flag", type=float, default=1.03, help="report auto past this x the best")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting new layers after this many seconds (results so far kept)")
@@ -74,7 +80,10 @@ def main() -> int:
             for k, w in weights.items():
                 times = {}
                 for kern in KERNELS:
-                    if kern == "dequant" and M < args.dequant_from:
+                    if ((kern != "auto" and args.kernels is not None and kern not in args.kernels)
+                            or (kern == "dequant" and M < args.dequant_from)
+                            or (kern == "latency" and M > args.latency_max_m)
+                            or (kern == "cluster" and M > args.cluster_max_m)):
                         continue
                     out = cp.empty((M, N), dtype)
                     try:
