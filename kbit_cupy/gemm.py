@@ -846,6 +846,29 @@ def has_wgmma() -> bool:
 #   H100's k = 5 mid rows stop at 256: not measured. (E4M4 scales measured;
 #   with fp16 scales k = 5 chunks 192 rows, counted as 256 by the rule, not
 #   measured.)
+# - the H200's rows for "mid" layers of 2^25 weights or more (k = 2..5) and
+#   for k = 2 fp16 "large" layers under 2^26 at 2 rows, from
+#   benchmarks/dispatch_audit.py (every kernel at each point, kernel-only, one
+#   process; results/dispatch_audit_h200_ebddea3_float16.* on ten layers,
+#   dispatch_audit2_h200_97c1a1e_{float16,bfloat16}.* on 4096x14336,
+#   5120x13824, 13824x5120, 4096x11008, 14336x4096 at 1..64 rows). With the
+#   rows before them, auto ran on these mid layers (58.7M, 70.8M, 45.1M weights):
+#   - mma at 24..64 rows (k = 2..4) where wgmma took 0.76-0.97x its time
+#     (4096x14336 k = 4 at 64 rows: 35.96 against 27.76 us), and mma at
+#     1..32 rows for k = 5 where wgmma took 0.79-0.98x;
+#   - the latency kernel at 3..8 rows (k = 2) and 2..4 (k = 3, fp16), where
+#     it ran 1.39-1.96x mma's time (its rows, 16 K tiles and 700-860 row
+#     tiles no longer fit one wave); on 5120x13824 at k = 2 and one row it
+#     ran 15.6 us in one run and 23.6 in the next two (fp16, bf16), where mma
+#     ran 15.6.
+#   So on those layers: the latency kernel only at k = 2 to 3 rows under 2^26
+#   weights, mma to 16 rows at k = 2..4, wgmma from one row at k = 5 (mma was
+#   at most 0.9% faster there). Over the 784 points of the three runs, auto
+#   within 1.02x the fastest kernel but at 29, the worst 1.13x (13824x5120,
+#   k = 2, bf16, one row: mma against the latency kernel; wgmma runs its 2..8
+#   rows 6-7% faster than mma, but the same row takes 4096x28672, where mma
+#   is 2-7% faster); before, 163 points past 1.02x, the worst 1.96x. The
+#   H100 keeps its rows: not measured there.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -883,6 +906,8 @@ _WG_K5_LARGE_MAX = 1024
 _WG_K5_MID_MAX = 1024
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
+    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=1,
+                 min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
     DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
     DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(4,), min_weights=_HUGE, min_tbps=_FAST_TBPS),
@@ -895,12 +920,16 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512, ks=(5,)),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX),
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2,), min_weights=1 << 26, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2,), min_weights=1 << 25, lat_max=3,
+                 min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(3, 4), min_weights=1 << 25, min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 64, _WG_MID_MAX, ks=(2,), lat_max=8),
     DispatchRule(True, "mid", 32, _WG_K5_MID_MAX, ks=(5,), max_weights=_MID_LATENCY, lat_max=8,
                  min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 32, _WG_K5_MID_MAX, ks=(5,), max_weights=1 << 25, lat_max=4,
                  min_tbps=_FAST_TBPS),
-    DispatchRule(True, "mid", 32, _WG_K5_MID_MAX, ks=(5,), min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 0, _WG_K5_MID_MAX, ks=(5,), min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=_MID_LATENCY, lat_max=8),
     DispatchRule(True, "mid", 32, 256, ks=(5,), max_weights=1 << 25, lat_max=4),
     DispatchRule(True, "mid", 32, 256, ks=(5,)),
@@ -1007,8 +1036,10 @@ _LUT_L2_HINT_MIN_N = 8192
 # 0.51) 17.47 against the latency kernel's 15.59, 8192x4096 (128, 0.48) 9.15
 # against 8.84; the four layers above fill 0.85-0.97 and 16384x16384 (0.97)
 # 29.5 against 37.9. 4096x8192 (128 units, 0.48) is the one loss of the rule:
-# 8.59 against the latency kernel's 8.90.
-_LUT_MIN_FILL = 0.8
+# 8.59 against the latency kernel's 8.90. It was 0.8 until 4096x11008 (176
+# units, fill 0.67) ran 10.28 us against the latency kernel's 10.83-10.91
+# (fp16 and bf16; results/dispatch_audit2_h200_97c1a1e_*), so 0.6.
+_LUT_MIN_FILL = 0.6
 _LUT_CTAS_PER_SM = 2  # gemm_lut.cu's __launch_bounds__ (65 KB of tables a CTA)
 
 
