@@ -849,26 +849,34 @@ def has_wgmma() -> bool:
 # - the H200's rows for "mid" layers of 2^25 weights or more (k = 2..5) and
 #   for k = 2 fp16 "large" layers under 2^26 at 2 rows, from
 #   benchmarks/dispatch_audit.py (every kernel at each point, kernel-only, one
-#   process; results/dispatch_audit_h200_ebddea3_float16.* on ten layers,
-#   dispatch_audit2_h200_97c1a1e_{float16,bfloat16}.* on 4096x14336,
+#   process): results/dispatch_audit_h200_ebddea3_float16.* (ten layers, 1..256
+#   rows), dispatch_audit2_h200_97c1a1e_{float16,bfloat16}.* (4096x14336,
 #   5120x13824, 13824x5120, 4096x11008, 14336x4096 at 1..64 rows). With the
-#   rows before them, auto ran on these mid layers (58.7M, 70.8M, 45.1M weights):
+#   rows before them, auto ran those mid layers (45.1M..70.8M weights):
 #   - mma at 24..64 rows (k = 2..4) where wgmma took 0.76-0.97x its time
 #     (4096x14336 k = 4 at 64 rows: 35.96 against 27.76 us), and mma at
 #     1..32 rows for k = 5 where wgmma took 0.79-0.98x;
 #   - the latency kernel at 3..8 rows (k = 2) and 2..4 (k = 3, fp16), where
-#     it ran 1.39-1.96x mma's time (its rows, 16 K tiles and 700-860 row
-#     tiles no longer fit one wave); on 5120x13824 at k = 2 and one row it
-#     ran 15.6 us in one run and 23.6 in the next two (fp16, bf16), where mma
-#     ran 15.6.
-#   So on those layers: the latency kernel only at k = 2 to 3 rows under 2^26
-#   weights, mma to 16 rows at k = 2..4, wgmma from one row at k = 5 (mma was
-#   at most 0.9% faster there). Over the 784 points of the three runs, auto
-#   within 1.02x the fastest kernel but at 29, the worst 1.13x (13824x5120,
-#   k = 2, bf16, one row: mma against the latency kernel; wgmma runs its 2..8
-#   rows 6-7% faster than mma, but the same row takes 4096x28672, where mma
-#   is 2-7% faster); before, 163 points past 1.02x, the worst 1.96x. The
-#   H100 keeps its rows: not measured there.
+#     it ran up to 1.96x mma's time: with 700-900 row tiles its CTAs fit one
+#     wave only at few warps each (latency_geometry), and the point where
+#     they stop fitting moves with the rows staged (4096x12288 k = 2: 12.40
+#     us at 2 rows, 19.10 at 3, 13.50 at 4, mma 12.4-12.6); on 5120x13824 at
+#     k = 2 and one row it ran 15.6 us in one run and 23.6 in the next two
+#     (fp16, bf16), where mma ran 15.6.
+#   So there: the latency kernel at k = 2 and 3 up to 2 rows below 2^26
+#   weights (none from 2^26), mma to 16 rows at k = 2..4, wgmma from one row
+#   at k = 5 (mma at most 3.8% faster at 1..3 rows on 4096x12288, wgmma up
+#   to 3.6% faster on 4096x14336). A third run on 5120x8192 and 4096x12288
+#   (not used for the first rows) and 4096x14336 again
+#   (dispatch_audit3_h200_54d6caa_*) set k = 2's latency bound from 3 to 2
+#   rows (4096x12288 at 3 rows, above) and k = 3's from 0 to 2 (5120x8192:
+#   the latency kernel 6-9% faster at 1..4 rows). Over the 1120 points of the
+#   five runs auto is within 1.13x the fastest kernel (13824x5120, k = 2,
+#   bf16, one row: mma against the latency kernel; wgmma runs its 2..8 rows
+#   6-7% faster than mma, but the same row takes 4096x28672, where mma is
+#   2-7% faster), within 1.07x on those mid layers; before, 163 of the first
+#   784 points were past 1.02x, the worst 1.96x. The H100 keeps its rows: not
+#   measured there.
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -920,8 +928,8 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512, ks=(5,)),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX),
-    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2,), min_weights=1 << 26, min_tbps=_FAST_TBPS),
-    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2,), min_weights=1 << 25, lat_max=3,
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2, 3), min_weights=1 << 26, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2, 3), min_weights=1 << 25, lat_max=2,
                  min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(3, 4), min_weights=1 << 25, min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 64, _WG_MID_MAX, ks=(2,), lat_max=8),
