@@ -931,7 +931,7 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2, 3), min_weights=1 << 26, min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2, 3), min_weights=1 << 25, lat_max=2,
                  min_tbps=_FAST_TBPS),
-    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(3, 4), min_weights=1 << 25, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(4,), min_weights=1 << 25, min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 64, _WG_MID_MAX, ks=(2,), lat_max=8),
     DispatchRule(True, "mid", 32, _WG_K5_MID_MAX, ks=(5,), max_weights=_MID_LATENCY, lat_max=8,
                  min_tbps=_FAST_TBPS),

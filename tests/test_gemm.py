@@ -994,7 +994,7 @@ def test_k2_one_row_takes_the_lookups_against_their_run(dtype):
 def test_dispatch_against_every_kernel_on_the_h200():
     # benchmarks/dispatch_audit.py on the H200 (every kernel at each point,
     # kernel-only, one process; fp16 on ten layers at 1..256 rows, fp16 and bf16
-    # on seven layers of 2^24..2^27 weights at 1..64 rows): what auto picks for
+    # on seven layers of 2^25..2^27 weights at 1..64 rows): what auto picks for
     # the H200 is within 1.13x the fastest kernel measured at every point, and
     # within 1.07x on the "mid" layers of 2^25 weights or more, whose rows were
     # set from these runs (before, the latency kernel at 3..8 rows and mma at
