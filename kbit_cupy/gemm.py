@@ -524,6 +524,9 @@ class _GemmPlan:
             M, N, K_dim, weight.k, dtype, scale=weight.absmax.dtype.name)
         if self.choice == "cluster" and kernel == "auto" and not _launch.cluster_launch_supported():
             self.choice = "mma"  # sm_90 but a driver without cuLaunchKernelEx
+        if (self.choice == "latency" and kernel == "auto"
+                and not _latency_one_wave(min(M, _latency_rows(K_dim, dtype.itemsize)), weight, dtype)):
+            self.choice = "mma"  # (the latency kernel's second wave: _latency_one_wave)
         # M chunks of a Hopper-path launch (_wg_m_chunks; 1: none)
         chunks = (_wg_m_chunks(M, weight.k, N, K_dim, weight.absmax.dtype.name)
                   if self.choice == "wgmma" else 1)
@@ -997,7 +1000,9 @@ def choose_kernel(M: int, N: int, K_dim: int, k: int, dtype, wgmma: bool | None 
     """The kernel ``kernel="auto"`` runs for these sizes ("latency", "cluster",
     "mma", "wgmma", "lut" or "dequant"), from ``DISPATCH_TABLE`` and
     ``_lut_wins``. (A "cluster" pick runs mma where the GPU or its driver
-    cannot launch clusters.) ``scale``: the weight's absmax dtype name.
+    cannot launch clusters, a "latency" pick mma where its launch would not
+    fit in one wave on the GPU: _latency_one_wave.) ``scale``: the weight's
+    absmax dtype name.
 
     ``wgmma``: whether the GPU runs the wgmma kernel (sm_90); None asks the
     current device (False without a GPU). ``tbps``: the GPU's peak memory
@@ -1766,13 +1771,12 @@ def _dense_latency_ksplit(k: int, scale_dtype, half_rows: bool, warps: int, ctas
     return 1
 
 
-def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
-    """Launch of gemm_latency.cu for ``M`` (<= _latency_rows) rows of A: one
-    CTA per 16-row tile of W (or two, each taking 8 of its rows: half tiles),
-    its warps splitting the K tiles (latency_geometry). A and C are set per
-    call."""
+def _latency_launch_geometry(M: int, weight: KbitWeight, dtype):
+    """(kernel, CTAs, warps a CTA, dynamic shared bytes, half tiles) of the
+    gemm_latency.cu launch for ``M`` (<= _latency_rows) rows of A: one CTA per
+    16-row tile of W (or two, each taking 8 of its rows: half tiles), its
+    warps splitting the K tiles (latency_geometry)."""
     N, K_dim = weight.shape
-    tiles, scales = weight._tiles
     rt_n, kt_n = _tile_counts(N, K_dim)
     half = _latency_half_tiles(rt_n)
     ctas = 2 * rt_n if half else rt_n
@@ -1792,6 +1796,31 @@ def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
     if ksplit != 1:  # (the whole-tile geometry decides; the half-tile one launches)
         kern = kernel(ksplit)
         warps, shared = latency_geometry(kern, M, kt_n, dtype.itemsize, m_tiles, ctas, ksplit)
+    return kern, ctas, warps, shared, half
+
+
+def _latency_one_wave(M: int, weight: KbitWeight, dtype) -> bool:
+    """Whether the latency launch for ``M`` rows has all of its CTAs resident
+    at once (what latency_geometry aims for; where the stage of A leaves too
+    few CTAs an SM even at the fewest warps, it runs in two waves). H200,
+    every point of the dispatch audits at up to 16 rows (results/dispatch_audit*_h200_*):
+    of the 119 whose geometry is past one wave, the latency kernel took
+    1.047-2.75x the fastest other kernel's time (median 1.51x), of the 301
+    within one wave 0.66-1.56x (half at most 1.02x). 4096x12288 fp16 at
+    k = 2 (cliff_h200_71e17c8_*: 0.97 waves at 4 rows, 1.16 at 5) 12.7 ->
+    19.3 us, at k = 3 (the 8.8 KB table in static shared memory: 0.97 waves
+    at 3 rows, 1.16 at 4) 13.9 -> 20.6 us, mma 12.5-13.8 at all four."""
+    kern, ctas, warps, shared, _ = _latency_launch_geometry(M, weight, dtype)
+    return launch_ctas_per_sm(kern, 32 * warps, shared) * _sm_count() >= ctas
+
+
+def _plan_latency_launch(M: int, weight: KbitWeight, dtype):
+    """Launch of gemm_latency.cu for ``M`` (<= _latency_rows) rows of A
+    (_latency_launch_geometry). A and C are set per call."""
+    N, K_dim = weight.shape
+    tiles, scales = weight._tiles
+    kt_n = _tile_counts(N, K_dim)[1]
+    kern, ctas, warps, shared, half = _latency_launch_geometry(M, weight, dtype)
     return _launch.Launch(kern, (ctas,), (32 * warps,), shared, _LATENCY_ARG_TYPES,
                           (tiles, scales, weight.codebook, 0, 0, M, N, K_dim, kt_n, 0, 1, 0,
                            int(half), 0, 1))

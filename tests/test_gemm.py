@@ -1318,3 +1318,33 @@ def test_every_fold_variant_the_host_asks_for_is_compile_checked():
     assert _jit.cb_fold_variant("gemm_mma", (2, "float16", "float16", 1, 1)) is None
     assert _jit.kernel_name("gemm_mma", *_jit.cb_fold_variant("gemm_mma", (5, "float16", "uint8", 2, 1))) \
         == "kbit::kbit_gemm_mma<5, __half, unsigned char, 2, 1, 0, false, 4, true>"
+
+
+def test_latency_kernel_only_in_one_wave(monkeypatch):
+    """auto's latency pick gives way to mma where the latency launch would not
+    fit in one wave (_latency_one_wave): with an H200's shared memory (228 KB
+    an SM, 1 KB reserved a CTA, 132 SMs) 4096x12288 (768 CTAs) fits at k = 2
+    up to 4 rows and, with k = 3's 8.8 KB table in static shared memory, up
+    to 3; one row more and the stage of A leaves 5 CTAs an SM (660 slots)."""
+    import types
+
+    from kbit_cupy import _jit, gemm
+
+    statics = {2: 640, 3: 8832}
+
+    def ctas_per_sm(kern, threads, shared):
+        by_shared = 233472 // (kern.shared_size_bytes + shared + 1024)
+        return min(by_shared, 2048 // threads, 32)
+
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
+    monkeypatch.setattr(_jit, "get_kernel", lambda family, k, *a: types.SimpleNamespace(
+        shared_size_bytes=statics[k]))
+    monkeypatch.setattr(gemm, "launch_ctas_per_sm", ctas_per_sm)
+    N, K_dim = 12288, 4096
+    fits = {}
+    for k in (2, 3):
+        weight = types.SimpleNamespace(shape=(N, K_dim), k=k, absmax=np.zeros(1, np.uint8),
+                                       codebook=None)
+        fits[k] = [M for M in range(1, 9) if gemm._latency_one_wave(M, weight, np.dtype(np.float16))]
+    assert fits == {2: [1, 2, 3, 4], 3: [1, 2, 3]}, fits

@@ -889,3 +889,34 @@ def test_lut_kernel_in_a_cuda_graph():
         graph.launch(stream)
     stream.synchronize()
     assert np.array_equal(cp.asnumpy(out).view(np.uint16), eager.view(np.uint16))
+
+
+def test_auto_leaves_the_latency_kernel_past_one_wave(monkeypatch):
+    """Where the table says "latency" but the launch would not fit in one wave
+    on this GPU (_latency_one_wave), auto runs mma, with mma's bits; within
+    one wave it runs the latency kernel, with its bits. 4096x12288 k = 3 fp16
+    (the latency kernel taken up to 8 rows by a patched table): one wave at
+    3 rows and two at 4 on an H100 or H200 (228 KB of shared memory an SM)."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    needs_kernel("latency")
+    N, K_dim, k = 12288, 4096, 3
+    monkeypatch.setattr(gemm, "choose_kernel", lambda *a, **kw: "latency")
+    rng = cp.random.default_rng(0)
+    W = (rng.standard_normal((N, K_dim), dtype=cp.float32) * 0.02).astype(cp.float16)
+    w = quantize_weight(W, k=k).prepare()
+    seen = {}
+    for M in range(1, 9):
+        A = rng.standard_normal((M, K_dim), dtype=cp.float32).astype(cp.float16)
+        one_wave = gemm._latency_one_wave(M, w, np.dtype(np.float16))
+        seen[M] = one_wave
+        expected = kbit_gemm(A, w, kernel="latency" if one_wave else "mma")
+        auto = kbit_gemm(A, w)
+        plan = [p for key, p in w._plans.items() if key[0] == A.shape and key[2] == "auto"]
+        assert [p.choice for p in plan] == ["latency" if one_wave else "mma"], (M, one_wave)
+        assert (auto.view(cp.uint16) == expected.view(cp.uint16)).all(), M
+    smem = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerMultiprocessor"]
+    if smem == 233472 and gemm._sm_count() == 132:
+        assert [M for M, fits in seen.items() if fits] == [1, 2, 3], seen
