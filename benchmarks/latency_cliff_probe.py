@@ -31,6 +31,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=2, help="timings of each point on one copy")
     p.add_argument("--kernels", nargs="+", default=["latency", "mma"])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--a-offsets", type=int, default=0,
+                   help="instead of fresh weights: this many places of A (512-byte aligned, "
+                        "random within --a-span-mib of one buffer), one copy of the weight")
+    p.add_argument("--a-span-mib", type=int, default=64)
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -44,6 +48,9 @@ def main() -> int:
     info = run_info(harness)
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}[args.dtype]
     records = []
+    if args.a_offsets:
+        records = a_places(args, dtype, layer_weights, kbit_gemm, harness)
+        args.allocs = 0
     pad_rng = np.random.default_rng(7)
     for alloc in range(args.allocs):
         # a pad of 0..63 MiB in 4 KiB steps before the weight's buffers
@@ -83,10 +90,46 @@ def main() -> int:
         harness.write_results(records, {**info, "method": "CUDA graphs after the 256 MB overwrite, "
                                         f"median of 10 replays of {args.reps} pairs"},
                               f"{args.out}.json", f"{args.out}.md",
-                              columns=["layer", "k", "M", "dtype", "alloc", "rep", "kernel", "graph_us",
-                                       "p10_us", "p90_us", "tiles_mod_2MiB"],
+                              columns=(["layer", "k", "M", "dtype", "kernel", "graph_us", "a_offset",
+                                        "a_ptr_mod_2MiB"] if args.a_offsets else
+                                       ["layer", "k", "M", "dtype", "alloc", "rep", "kernel", "graph_us",
+                                        "p10_us", "p90_us", "tiles_mod_2MiB"]),
                               title="the latency kernel's time, fresh copies of the weight")
     return 0
+
+
+def a_places(args, dtype, layer_weights, kbit_gemm, harness) -> list[dict]:
+    """The same points with A's row(s) at ``args.a_offsets`` places of one
+    buffer (the weight fixed): whether A's address decides the time."""
+    import cupy as cp
+
+    K_dim, N, _W, weights = layer_weights(args.layer, args.k)
+    del _W
+    span = args.a_span_mib << 20
+    buf = cp.empty(span + (max(args.m) * K_dim * dtype.itemsize), np.uint8)
+    rng = np.random.default_rng(11)
+    offsets = sorted(int(o) * 512 for o in rng.choice(span // 512, args.a_offsets, replace=False))
+    records = []
+    for M in args.m:
+        nbytes = M * K_dim * dtype.itemsize
+        src = cp.random.default_rng(1).standard_normal((M, K_dim), dtype=cp.float32).astype(dtype)
+        for off in offsets:
+            A = buf[off:off + nbytes].view(dtype).reshape(M, K_dim)
+            A[...] = src
+            line = []
+            for k, w in weights.items():
+                for kern in args.kernels:
+                    out = cp.empty((M, N), dtype)
+                    kbit_gemm(A, w, out=out, kernel=kern)
+                    st = harness.time_graph(lambda w=w, kern=kern, A=A, out=out:
+                                            kbit_gemm(A, w, out=out, kernel=kern), reps=args.reps)
+                    records.append({"layer": args.layer, "k": k, "M": M, "dtype": args.dtype,
+                                    "kernel": kern, "graph_us": st["median_us"], "a_offset": off,
+                                    "a_ptr_mod_2MiB": int(A.data.ptr) % (2 << 20)})
+                    line.append(f"k={k} {kern}={st['median_us']:.2f}")
+            print(f"M={M:<3} A at +{off:>9} (%2MiB {int(A.data.ptr) % (2 << 20):>8})  " + " ".join(line),
+                  flush=True)
+    return records
 
 
 if __name__ == "__main__":

@@ -344,20 +344,8 @@ def launch_ctas_per_sm(kern, threads: int, shared: int) -> int:
     # defines and drop the old ones).
     key = (kern, shared)
     if key not in _resident_cache:
-        if _SHARED_CARVEOUT:
-            kern.preferred_shared_memory_carveout = _SHARED_CARVEOUT
         _resident_cache[key] = _resident_ctas(kern, threads, kern.shared_size_bytes + shared)
     return _resident_cache[key]
-
-
-# The shared memory carveout asked of every kernel whose launch geometry
-# launch_ctas_per_sm computes (percent of the unified L1 / shared memory; 0:
-# the driver's default, for A/B runs). The occupancy query counts an SM's
-# whole shared memory, but with no preference the driver picks the carveout
-# at each launch, also from the kernels launched before it, and may give
-# fewer CTAs an SM than the query said: a launch sized to one wave then runs
-# in two.
-_SHARED_CARVEOUT = 100
 
 
 def _check_activations(A, weight: KbitWeight, out):
