@@ -341,8 +341,13 @@ def launch_ctas_per_sm(kern, threads: int, shared: int) -> int:
     # Keyed by the kernel object itself, not its id(): the entry keeps it
     # alive, so a freed kernel's id can never be reused by another one and
     # answer with its occupancy (benchmark tools recompile kernels under other
-    # defines and drop the old ones).
-    key = (kern, shared)
+    # defines and drop the old ones). And by the threads: latency_geometry asks
+    # for one shared size at several warp counts, and another layer's launch
+    # can ask for the same bytes at other warps (a key without them gave
+    # 5120x8192 at one row, 4 warps and 12288 bytes, the answer for 8 warps
+    # and 12288 bytes of 4096-column layers, asked before: the launch then
+    # halved to 2 warps and ran 1.4x slower, H200, dispatch_audit4/5).
+    key = (kern, threads, shared)
     if key not in _resident_cache:
         _resident_cache[key] = _resident_ctas(kern, threads, kern.shared_size_bytes + shared)
     return _resident_cache[key]
@@ -1133,7 +1138,7 @@ def _device_sms() -> int:
         return 132
 
 
-_resident_cache: dict[tuple[object, int], int] = {}  # (kernel, dynamic shared) -> CTAs per SM
+_resident_cache: dict[tuple[object, int, int], int] = {}  # (kernel, threads, dynamic shared) -> CTAs per SM
 # gemm_mma.cu's parameters that change per call: A, C and A's tensor map
 _ARG_A, _ARG_C, _ARG_MAP = 3, 4, 20
 _GEMM_ARG_TYPES = (

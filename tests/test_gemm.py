@@ -1348,3 +1348,30 @@ def test_latency_kernel_only_in_one_wave(monkeypatch):
                                        codebook=None)
         fits[k] = [M for M in range(1, 9) if gemm._latency_one_wave(M, weight, np.dtype(np.float16))]
     assert fits == {2: [1, 2, 3, 4], 3: [1, 2, 3]}, fits
+
+
+def test_occupancy_cache_keys_on_the_threads(monkeypatch):
+    """launch_ctas_per_sm answers per (kernel, threads, shared bytes): one
+    shared size asked at 8 warps and then at 4 (latency_geometry halves the
+    warps; another layer's launch can ask for the same bytes at other warps)
+    gets each its own answer, not the first one's."""
+
+    from kbit_cupy import gemm
+
+    asked = []
+
+    def resident(kern, threads, shared):
+        asked.append((threads, shared))
+        return 65536 // (threads * 64)  # registers bound: 64 a thread
+
+    monkeypatch.setattr(gemm, "_resident_ctas", resident)
+    monkeypatch.setattr(gemm, "_attributes", lambda: {"MaxSharedMemoryPerBlockOptin": 232448})
+    monkeypatch.setattr(gemm, "_resident_cache", {})
+    class Kernel:  # hashable by identity, as a RawKernel is
+        shared_size_bytes, max_dynamic_shared_size_bytes = 640, 0
+
+    kern = Kernel()
+    assert gemm.launch_ctas_per_sm(kern, 256, 12288) == 4
+    assert gemm.launch_ctas_per_sm(kern, 128, 12288) == 8
+    assert gemm.launch_ctas_per_sm(kern, 256, 12288) == 4
+    assert asked == [(256, 12928), (128, 12928)]

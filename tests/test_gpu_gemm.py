@@ -920,3 +920,24 @@ def test_auto_leaves_the_latency_kernel_past_one_wave(monkeypatch):
     # rows (64 KB of A a CTA, 3 CTAs an SM at most) never fit 768 CTAs
     fits = [M for M, one in seen.items() if one]
     assert fits and fits == list(range(1, len(fits) + 1)) and len(fits) < 8, seen
+
+
+def test_latency_geometry_does_not_depend_on_the_layers_planned_before():
+    """The latency launch for 5120x8192 at one row is the same whether or not
+    a 4096-column layer's launch was planned first (it asks for the same
+    shared bytes, 12288, at 8 warps that 5120x8192 asks for at 4: the
+    occupancy cache keyed without the threads answered with 8 warps' count,
+    and the launch halved to 2 warps, 1.4x slower on the H200)."""
+    import cupy as cp
+
+    from kbit_cupy import gemm
+
+    f16 = np.dtype(np.float16)
+    first = quantize_weight(cp.zeros((8192, 5120), cp.float16), k=2)
+    other = quantize_weight(cp.zeros((11008, 4096), cp.float16), k=2)
+    gemm._resident_cache.clear()
+    alone = gemm._latency_launch_geometry(1, first, f16)[1:4]
+    gemm._resident_cache.clear()
+    gemm._latency_launch_geometry(1, other, f16)
+    after = gemm._latency_launch_geometry(1, first, f16)[1:4]
+    assert after == alone, (alone, after)
