@@ -885,6 +885,29 @@ def has_wgmma() -> bool:
 #   2-7% faster), within 1.07x on those mid layers; before, 163 of the first
 #   784 points were past 1.02x, the worst 1.96x. The H100 keeps its rows: not
 #   measured there.
+# - Those five runs and two more (0450bcc, b8bb6db) timed the latency kernel
+#   with a geometry that could depend on the layers planned before it in the
+#   process (launch_ctas_per_sm's cache keyed without the threads, fixed at
+#   8aae053: 5120x8192 k = 2 and 3 at one row ran 14.8 and 16.4 us after two
+#   4096-column layers, 10.3 and 11.3 alone; 5120x13824 k = 2's 23.6 us
+#   above). Timed again at 8aae053 (dispatch_audit{6,7,8}_h200_8aae053_*:
+#   4096x11008, 4096x12288, 5120x8192, 4096x14336, 5120x13824, 13824x5120,
+#   14336x4096, 11008x4096, 4096x28672, 28672x8192 at 1..8 rows, fp16, and
+#   bf16 on four of them), the latency kernel won where the rows had it lose,
+#   fp16 and bf16 alike (latency / the fastest other kernel):
+#   - "large" layers under 2^26 weights (14336x4096, 11008x4096): k = 2 at
+#     2 rows 0.85-0.93 (one row: the lookups, or the latency kernel 6% faster
+#     than them on 11008x4096, left), k = 3 at 1 and 2 rows 0.83-0.88; k = 4
+#     0.996-1.15, k = 5 0.95-1.035 (not taken); 3 rows and more 1.5-2.2.
+#     So the latency kernel to 2 rows at k = 2 and 3, fp16 and bf16 (was k =
+#     2 fp16 at one row).
+#   - "mid" layers of 2^26 weights or more (5120x13824): k = 2 at 1 and 2
+#     rows 0.925-0.97; k = 3..5 1.04-1.29. So k = 2 to 2 rows (was none).
+#   - "large" 2^26..2^27, k = 2 bf16 at one row: 13824x5120 0.95 (mma 1.13x
+#     it); 4096x28672 takes the lookups there. So bf16 as fp16: one row. At
+#     2 rows 13824x5120 0.97 but 4096x28672 1.12 under the same row: left.
+#   Over the 272 points of those runs auto is within 1.11x the fastest kernel
+#   (was 1.24x; mean 1.006x, was 1.015x).
 # - other GPUs (no wgmma): benchmarks/results/gemm_sweep_h100_09ff1ea_*.json
 #   run with the mma kernel only: mma won to M = 192 on the layers with N >=
 #   16384 (4096x28672, 8192x57344) and on 28672x8192 at k <= 4, to 128 on the
@@ -922,7 +945,13 @@ _WG_K5_LARGE_MAX = 1024
 _WG_K5_MID_MAX = 1024
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
-    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=1,
+    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2, 3), fp16=True, max_weights=1 << 26, lat_max=2,
+                 min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=False, max_weights=1 << 26, lat_max=2,
+                 min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(3,), fp16=False, max_weights=1 << 26, lat_max=2,
+                 min_tbps=_FAST_TBPS),
+    DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=False, max_weights=_HUGE, lat_max=1,
                  min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=1 << 26, lat_max=2),
     DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=True, max_weights=_HUGE, lat_max=1),
@@ -936,7 +965,8 @@ DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     DispatchRule(True, "large", 16, 256, ks=(5,), max_weights=_HUGE),
     DispatchRule(True, "large", 16, 512, ks=(5,)),
     DispatchRule(True, "large", 16, _WG_LARGE_MAX),
-    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2, 3), min_weights=1 << 26, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2,), min_weights=1 << 26, lat_max=2, min_tbps=_FAST_TBPS),
+    DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(3,), min_weights=1 << 26, min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(2, 3), min_weights=1 << 25, lat_max=2,
                  min_tbps=_FAST_TBPS),
     DispatchRule(True, "mid", 16, _WG_MID_MAX, ks=(4,), min_weights=1 << 25, min_tbps=_FAST_TBPS),

@@ -197,10 +197,11 @@ def _newest_latency_run(gpu: str) -> dict:
     return {"records": list(points.values())}
 
 
-def _dispatch_against_run(run: dict, tbps: float) -> tuple[float, int]:
+def _dispatch_against_run(run: dict, tbps: float, skip=None) -> tuple[float, int]:
     """(worst time of the kernel choose_kernel picks over the fastest of the
     fused kernels the run measured, points where it picks the latency kernel),
-    for a GPU of ``tbps`` peak memory bandwidth."""
+    for a GPU of ``tbps`` peak memory bandwidth; ``skip(M, N, K_dim, k)``:
+    points other runs hold."""
     from kbit_cupy.gemm import choose_kernel
 
     times = {(r["K_dim"], r["N"], r["M"], r["k"], r["dtype"], r["kernel"]): r["graph_us"]
@@ -210,6 +211,8 @@ def _dispatch_against_run(run: dict, tbps: float) -> tuple[float, int]:
         if kernel != "mma":
             continue
         if _rows_decided_since(M, N, K_dim, k, True, k2=False):  # kernels since changed there
+            continue
+        if skip is not None and skip(M, N, K_dim, k):
             continue
         t = {kern: times[(K_dim, N, M, k, dtype, kern)] for kern in ("mma", "latency", "wgmma")
              if (K_dim, N, M, k, dtype, kern) in times}
@@ -238,9 +241,16 @@ def test_latency_dispatch_against_its_run():
 def test_dispatch_on_the_h200_against_its_run():
     # The same sm_90 table on the H200 (same SM count, 4.8 against 3.35 TB/s):
     # within the same bound of the fastest fused kernel at every point of the
-    # newest H200 run (fp16, 7 layers, M 1..16, k 2..5, kernel-only), so the
-    # H200 needs no rows of its own.
-    worst, _ = _dispatch_against_run(_newest_latency_run("h200"), 4.8)
+    # newest H200 run (fp16, 7 layers, M 1..16, k 2..5, kernel-only), but for
+    # k = 2 and 3 at up to 8 rows on layers of 2^25..2^27 weights: the H200's
+    # rows there come from the audits at 8aae053
+    # (test_dispatch_against_every_kernel_on_the_h200), which time the latency
+    # kernel with its geometry independent of the layers planned before
+    # (14336x4096 k = 3 at one row: 13.8 us there, 17.4 in this run; mma 15.8-16.0).
+    def audited(M, N, K_dim, k):
+        return M <= 8 and k in (2, 3) and 1 << 25 <= N * K_dim < 1 << 27
+
+    worst, _ = _dispatch_against_run(_newest_latency_run("h200"), 4.8, skip=audited)
     assert worst <= _DISPATCH_WORST, worst
 
 
@@ -993,36 +1003,43 @@ def test_k2_one_row_takes_the_lookups_against_their_run(dtype):
 
 def test_dispatch_against_every_kernel_on_the_h200():
     # benchmarks/dispatch_audit.py on the H200 (every kernel at each point,
-    # kernel-only, one process; fp16 on ten layers at 1..256 rows, fp16 and bf16
-    # on seven layers of 2^25..2^27 weights at 1..64 rows): what auto picks for
-    # the H200 is within 1.13x the fastest kernel measured at every point, and
-    # within 1.07x on the "mid" layers of 2^25 weights or more, whose rows were
-    # set from these runs (before, the latency kernel at 3..8 rows and mma at
-    # 24..64 ran them up to 1.96x the fastest). The worst, 1.13x, is
-    # 13824x5120 k = 2 bf16 at one row (mma; the latency kernel is faster).
+    # kernel-only, one process). Runs before 8aae053 timed the latency kernel
+    # with a launch geometry that could depend on the layers planned before in
+    # the process (the occupancy cache keyed without the threads: 5120x8192
+    # at one row 1.4x its time alone, 5120x13824 1.6x), so their latency
+    # times are left out and auto is held to the fastest other kernel there:
+    # within 1.08x at every point, 1.05x on the "mid" layers of 2^25 weights
+    # or more. The runs from 8aae053 (mid and large layers of 2^25..2^27
+    # weights at 1..8 rows, fp16 and bf16) time every kernel: auto within
+    # 1.11x the fastest, 1.07x on the mid layers (5120x8192 k = 3 at 3 rows:
+    # mma 1.06x the latency kernel's time; at 2 rows the latency kernel runs,
+    # 1.07x faster than mma). The worst, 1.108x, is
+    # 13824x5120 k = 2 at 2 rows (mma; the latency kernel faster, but the
+    # same row takes 4096x28672, where mma is 1.12x faster than it).
     from kbit_cupy.gemm import choose_kernel
 
     runs = _committed_runs("dispatch_audit*_h200_*.json")
-    assert len(runs) == 5
-    points, worst_mid = 0, 1.0
+    assert len(runs) == 11
+    fixed = {"8aae053"}  # the runs with the occupancy cache keyed on the threads
+    points = {True: 0, False: 0}
     for run in runs:
         assert 4.5 <= run["meta"]["peak_TB_s"] <= 5.2
+        trusted = run["meta"]["commit"] in fixed
         times: dict[tuple, dict] = {}
         for r in run["records"]:
-            if r["kernel"] != "auto":
+            if r["kernel"] != "auto" and (trusted or r["kernel"] != "latency"):
                 times.setdefault((r["K_dim"], r["N"], r["M"], r["k"], r["dtype"]), {})[r["kernel"]] = \
                     r["graph_us"]
         for (K_dim, N, M, k, dtype), t in times.items():
             chosen = choose_kernel(M, N, K_dim, k, dtype, wgmma=True, tbps=4.8, sms=132)
-            if chosen not in t:  # (the cluster split, where a run did not time it)
+            if chosen not in t:  # (the cluster split or, before 8aae053, the latency kernel)
                 continue
             loss = t[chosen] / min(t.values())
-            assert loss <= 1.13, (K_dim, N, M, k, dtype, chosen, t)
-            if N * K_dim >= 1 << 25 and N < 16384 and K_dim < 8192:  # "mid", 2^25 or more
-                worst_mid = max(worst_mid, loss)
-            points += 1
-    assert points == 1120, points
-    assert worst_mid <= 1.07, worst_mid
+            mid = N * K_dim >= 1 << 25 and N < 16384 and K_dim < 8192  # "mid", 2^25 or more
+            bound = (1.07 if mid else 1.11) if trusted else (1.05 if mid else 1.08)
+            assert loss <= bound, (K_dim, N, M, k, dtype, chosen, t, run["meta"]["commit"])
+            points[trusted] += 1
+    assert points == {True: 272, False: 1042}, points
     # the H100 keeps its rows there (not measured): mma at 24..64 rows
     assert choose_kernel(32, 14336, 4096, 4, "float16", wgmma=True, tbps=3.35) == "mma"
     assert choose_kernel(32, 14336, 4096, 4, "float16", wgmma=True, tbps=4.8) == "wgmma"
