@@ -1826,10 +1826,11 @@ def _latency_one_wave(M: int, weight: KbitWeight, dtype) -> bool:
     """Whether the latency launch for ``M`` rows has all of its CTAs resident
     at once (what latency_geometry aims for; where the stage of A leaves too
     few CTAs an SM even at the fewest warps, it runs in two waves). H200,
-    every point of the dispatch audits at up to 16 rows (results/dispatch_audit*_h200_*):
-    of the 119 whose geometry is past one wave, the latency kernel took
-    1.047-2.75x the fastest other kernel's time (median 1.51x), of the 301
-    within one wave 0.66-1.56x (half at most 1.02x). 4096x12288 fp16 at
+    the dispatch audits since 8aae053 (results/dispatch_audit{6,7,8,9}_h200_*,
+    up to 8 rows): of the 122 points whose launch is past one wave, the
+    latency kernel took 1.041-9.1x the fastest other kernel's time (median
+    1.83x), of the 180 within one wave 0.83-2.17x (half at most 1.02x); the
+    earlier audits' 420 the same (119 past one wave, 1.047-2.75x). 4096x12288 fp16 at
     k = 2 (cliff_h200_71e17c8_*: 0.97 waves at 4 rows, 1.16 at 5) 12.7 ->
     19.3 us, at k = 3 (the 8.8 KB table in static shared memory: 0.97 waves
     at 3 rows, 1.16 at 4) 13.9 -> 20.6 us, mma 12.5-13.8 at all four."""
