@@ -5,8 +5,10 @@
 
 The dispatch audit (dispatch_audit.py) found the latency kernel at
 4096x12288 k = 2 taking 12.40 / 19.10 / 13.50 us at 2 / 3 / 4 rows, one
-launch geometry at all three, and 5120x13824 k = 2 at one row 15.6 us in one
-run and 23.6 in another. This probe times the same points again, several
+modelled launch geometry at all three, and 5120x13824 k = 2 at one row 15.6
+us in one run and 23.6 in another. (The cause, found with this probe ruling
+out the addresses: the occupancy cache keyed without the threads, fixed at
+8aae053; occupancy_cache_replay.py.) This probe times the same points again, several
 times, each time on a freshly quantized copy of the weight placed behind a
 pad of a different size (so its packed tiles start at another address), and
 writes per timing the launch (grid, block, shared bytes) and where the

@@ -1373,7 +1373,6 @@ def test_occupancy_cache_keys_on_the_threads(monkeypatch):
     shared size asked at 8 warps and then at 4 (latency_geometry halves the
     warps; another layer's launch can ask for the same bytes at other warps)
     gets each its own answer, not the first one's."""
-
     from kbit_cupy import gemm
 
     asked = []
@@ -1385,6 +1384,7 @@ def test_occupancy_cache_keys_on_the_threads(monkeypatch):
     monkeypatch.setattr(gemm, "_resident_ctas", resident)
     monkeypatch.setattr(gemm, "_attributes", lambda: {"MaxSharedMemoryPerBlockOptin": 232448})
     monkeypatch.setattr(gemm, "_resident_cache", {})
+
     class Kernel:  # hashable by identity, as a RawKernel is
         shared_size_bytes, max_dynamic_shared_size_bytes = 640, 0
 
