@@ -945,11 +945,9 @@ _WG_K5_LARGE_MAX = 1024
 _WG_K5_MID_MAX = 1024
 DISPATCH_TABLE: tuple[DispatchRule, ...] = (
     # sm_90: mma, then wgmma, then dequantize + cuBLAS
-    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2, 3), fp16=True, max_weights=1 << 26, lat_max=2,
-                 min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=False, max_weights=1 << 26, lat_max=2,
                  min_tbps=_FAST_TBPS),
-    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(3,), fp16=False, max_weights=1 << 26, lat_max=2,
+    DispatchRule(True, "large", 16, _WG_LARGE_MAX, ks=(2, 3), max_weights=1 << 26, lat_max=2,
                  min_tbps=_FAST_TBPS),
     DispatchRule(True, "large", 8, _WG_LARGE_MAX, ks=(2,), fp16=False, max_weights=_HUGE, lat_max=1,
                  min_tbps=_FAST_TBPS),

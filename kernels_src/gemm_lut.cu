@@ -114,6 +114,14 @@ __device__ __forceinline__ void lut_load_a(const T* __restrict__ A, int c, int g
   }
 }
 
+// A read-only load of a weight word: with mma_common.cuh's L2 evict_first
+// policy where HINT (the L2_HINT variant), a plain __ldg where not.
+template <bool HINT, typename V>
+__device__ __forceinline__ V lut_ldg(const V* p, unsigned long long policy) {
+  if constexpr (HINT) return ldg_weight(p, policy);
+  else return __ldg(p);
+}
+
 // The CTA that takes unit u of `units` over `ctas` CTAs (the largest x with
 // x * units / ctas <= u).
 __device__ __forceinline__ int lut_cta_of(long long u, long long units, long long ctas) {
@@ -199,15 +207,9 @@ __global__ void __launch_bounds__(32 * kLutWarps, 2)
         w[i][0] = w[i][1] = make_uint4(0u, 0u, 0u, 0u);
         sc[i] = 0u;
         if ((int)s < steps) {
-          if constexpr (L2_HINT) {
-            w[i][0] = ldg_weight(w_ptr + s * step_tiles * 64u, policy);
-            w[i][1] = ldg_weight(w_ptr1 + s * step_tiles * 64u, policy);
-            sc[i] = ldg_weight(s_ptr + s * step_tiles * 32u, policy);
-          } else {
-            w[i][0] = __ldg(w_ptr + s * step_tiles * 64u);
-            w[i][1] = __ldg(w_ptr1 + s * step_tiles * 64u);
-            sc[i] = __ldg(s_ptr + s * step_tiles * 32u);
-          }
+          w[i][0] = lut_ldg<L2_HINT>(w_ptr + s * step_tiles * 64u, policy);
+          w[i][1] = lut_ldg<L2_HINT>(w_ptr1 + s * step_tiles * 64u, policy);
+          sc[i] = lut_ldg<L2_HINT>(s_ptr + s * step_tiles * 32u, policy);
         }
       }
     };
