@@ -924,7 +924,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         src += (long long)(kThreads / 32) * K_dim;
       }
     } else {
+#if KBIT_PROBE_A_ROWS  // probe only (wrong results): copy at most this many rows of A a K tile
+      const int rows = min(min(M, 8 * M_TILES), KBIT_PROBE_A_ROWS);
+#else
       const int rows = min(M, 8 * M_TILES);  // rows past M are never read
+#endif
       for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
         const int row = i >> 5, c = i & 31;
         const int col = kt_l * 256 + 8 * c;
