@@ -1212,6 +1212,9 @@ _SLAB_STREAM_K_SLACK = 8.0
 # define_ab_h100_stream_k_slack*_983e7f6.txt). 2 for every launch instead lost
 # 3-12% elsewhere (4096x14336 at M = 16, 4096x6144 at M = 64, k = 5 on 8192x57344).
 _WIDE_STREAM_K_SLACK = 2.0
+# _work_split's split K: x 100 of the exponent by which an SM that holds
+# fewer CTAs than it could is charged more per tile (0: not charged).
+_UNDERFILL_PCT = 0
 
 
 @functools.cache  # pure
@@ -1235,11 +1238,18 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
     """
     units = groups * k_tiles
     ctas = min(units, slots)
+    per_sm = max(1, slots // sms)
     best = None
     for s in range(1, max(1, min(k_tiles, slots // groups, max_splits or k_tiles)) + 1):
         per = math.ceil(k_tiles / s)
         s_used = math.ceil(k_tiles / per)
-        key = (math.ceil(groups * s_used / sms) * per, -s_used)
+        on_sm = math.ceil(groups * s_used / sms)  # CTAs on the busiest SM
+        load = on_sm * per
+        if _UNDERFILL_PCT and on_sm < per_sm:
+            # (an A/B knob) an SM left with fewer CTAs than it holds moves
+            # fewer bytes a microsecond: its tiles count (per_sm / on_sm) ^ x
+            load = load * (per_sm / on_sm) ** (_UNDERFILL_PCT / 100)
+        key = (load, -s_used)
         if best is None or key < best[0]:
             best = (key, s_used, per)
     (split_load, _), s, per = best
