@@ -1212,15 +1212,16 @@ _SLAB_STREAM_K_SLACK = 8.0
 # define_ab_h100_stream_k_slack*_983e7f6.txt). 2 for every launch instead lost
 # 3-12% elsewhere (4096x14336 at M = 16, 4096x6144 at M = 64, k = 5 on 8192x57344).
 _WIDE_STREAM_K_SLACK = 2.0
-# _work_split's split K: x 100 of the exponent by which an SM that holds
-# fewer CTAs than it could is charged more per tile (0: not charged).
-_UNDERFILL_PCT = 0
+# k = 4's 8-warp mma.sync launch: x 100 of the exponent by which _work_split
+# charges split K per tile on an SM that holds fewer CTAs than it could (0:
+# not charged; an A/B knob).
+_K4_WIDE_UNDERFILL_PCT = 0
 
 
 @functools.cache  # pure
 def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
                 max_splits: int = 0, split_only: bool = False,
-                slack: float | None = None) -> tuple[int, int, int]:
+                slack: float | None = None, underfill: float = 0.0) -> tuple[int, int, int]:
     """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
     for stream-K; split K into at most ``max_splits`` segments where given;
     ``split_only``: never stream-K, for M chunks, whose CTAs must each hold
@@ -1245,10 +1246,10 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
         s_used = math.ceil(k_tiles / per)
         on_sm = math.ceil(groups * s_used / sms)  # CTAs on the busiest SM
         load = on_sm * per
-        if _UNDERFILL_PCT and on_sm < per_sm:
-            # (an A/B knob) an SM left with fewer CTAs than it holds moves
-            # fewer bytes a microsecond: its tiles count (per_sm / on_sm) ^ x
-            load = load * (per_sm / on_sm) ** (_UNDERFILL_PCT / 100)
+        if underfill and on_sm < per_sm:
+            # an SM left with fewer CTAs than it holds moves fewer bytes a
+            # microsecond: its tiles count (per_sm / on_sm) ^ underfill
+            load = load * (per_sm / on_sm) ** underfill
         key = (load, -s_used)
         if best is None or key < best[0]:
             best = (key, s_used, per)
@@ -1541,9 +1542,11 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     else:
         slack = None  # (_work_split's default, _STREAM_K_SLACK)
     while True:
+        underfill = (_K4_WIDE_UNDERFILL_PCT / 100 if not wg and warps == 8 and weight.k == 4
+                     else 0.0)
         group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
                                                 _sm_count(), cap, chunks > 1,
-                                                slack)
+                                                slack, underfill)
         # The split assumes every CTA resident at once. A GPC holds whole
         # clusters only, so fewer clusters of `splits` CTAs may be resident
         # than SMs x CTAs per SM allow (2048x512 at 65..128 rows in two chunks,
