@@ -1212,10 +1212,34 @@ _SLAB_STREAM_K_SLACK = 8.0
 # define_ab_h100_stream_k_slack*_983e7f6.txt). 2 for every launch instead lost
 # 3-12% elsewhere (4096x14336 at M = 16, 4096x6144 at M = 64, k = 5 on 8192x57344).
 _WIDE_STREAM_K_SLACK = 2.0
-# k = 4's 8-warp mma.sync launch: x 100 of the exponent by which _work_split
-# charges split K per tile on an SM that holds fewer CTAs than it could (0:
-# not charged; an A/B knob).
-_K4_WIDE_UNDERFILL_PCT = 0
+# k = 4's 8-warp mma.sync launch (two CTAs an SM): x 100 of the exponent by
+# which _work_split charges split K per tile on an SM left with one CTA (0:
+# not charged), on a GPU of _FAST_TBPS or more (_underfill_charge). Split K
+# otherwise took 128 CTAs of 11 K tiles on 11008x4096 (one an SM) over 256
+# of 6; with the charge (x 2^0.25), 256. In one process on the H200 against
+# no charge (results/define_ab_h200_k4_underfill_0b8e874_{float16,bfloat16}.txt,
+# k = 4, M = 1 / 4 / 8, mma and auto): 1.06-1.08x faster on 11008x4096 and
+# 8192x5120, 1.10-1.13x on 11008x5120, 14336x5120, 17408x4096 and
+# 18944x4096, 1.14-1.21x on 27648x4096, 13824x8192, 18944x8192, 22016x8192
+# and 29568x5120, 1.03-1.04x on 22016x2048, 0.99-1.01x on 13824x2048; the
+# layers whose split it leaves (14336x4096, 28672x8192) gave the same bits
+# and times. Charged for every launch (gemm._UNDERFILL_PCT of 0b8850e's
+# run, define_ab_h200_underfill_0b8850e.txt) it lost up to 15% elsewhere
+# (4-warp launches on 4096x6144 and 5120x5120, k = 2's 8-warp launch on
+# 14336x4096 and 13824x5120), so k = 4's 8-warp launch only. Not measured
+# on the H100, whose stamps of this launch suggest the same (a lone CTA on
+# an SM ran 16 K tiles in 22 us, two together 32 in 25: NOTES-gemm.md,
+# "Per CTA, whole groups"): 0 there until measured.
+_K4_WIDE_UNDERFILL_PCT = 25
+
+
+def _underfill_charge(wg: bool, warps: int, k: int) -> float:
+    """_work_split's ``underfill`` exponent for a dense launch (see
+    _K4_WIDE_UNDERFILL_PCT): k = 4's 8-warp mma.sync launch on a GPU of
+    _FAST_TBPS or more, else 0."""
+    if wg or warps != 8 or k != 4 or _device_tbps() < _FAST_TBPS:
+        return 0.0
+    return _K4_WIDE_UNDERFILL_PCT / 100
 
 
 @functools.cache  # pure
@@ -1235,7 +1259,9 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
     the tiles the busiest SM runs: CTAs per SM x tiles per CTA (plus
     ``slack``, default _STREAM_K_SLACK, per stream-K CTA); ties go to more CTAs. Measured on
     the H100 against waves x tiles per CTA (d9006df): 14336x4096 M=1 +7%,
-    4096x6144 +4..10%, 28672x8192 -2..+1%.
+    4096x6144 +4..10%, 28672x8192 -2..+1%. ``underfill`` (_underfill_charge):
+    where split K leaves the busiest SM fewer CTAs than ``slots // sms``, its
+    tiles count ``(slots // sms / CTAs on it) ** underfill`` times.
     """
     units = groups * k_tiles
     ctas = min(units, slots)
@@ -1542,8 +1568,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
     else:
         slack = None  # (_work_split's default, _STREAM_K_SLACK)
     while True:
-        underfill = (_K4_WIDE_UNDERFILL_PCT / 100 if not wg and warps == 8 and weight.k == 4
-                     else 0.0)
+        underfill = _underfill_charge(wg, warps, weight.k)
         group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
                                                 _sm_count(), cap, chunks > 1,
                                                 slack, underfill)

@@ -1211,6 +1211,57 @@ def test_wide_stream_k_slack():
     assert gemm._work_split(448, 32, 264, 132, 0, False, slack)[2] == 0
 
 
+def test_k4_wide_underfill_charge(monkeypatch):
+    # k = 4's 8-warp launch on a GPU of 4 TB/s or more (gemm._underfill_charge):
+    # 11008x4096 (32 groups of 43 K tiles, two CTAs an SM on 132 SMs) splits K
+    # in eight, 256 CTAs, instead of four, 128 (one an SM), as measured faster.
+    from kbit_cupy import gemm
+
+    slack = gemm._WIDE_STREAM_K_SLACK
+    assert gemm._work_split(32, 43, 264, 132, 0, False, slack) == (44, 128, 4)
+    assert gemm._work_split(32, 43, 264, 132, 0, False, slack, 0.25) == (48, 256, 8)
+    # 14336x4096 and 28672x8192 already fill both CTAs of an SM: the same split
+    for groups, kt in [(32, 56), (64, 112)]:
+        assert (gemm._work_split(groups, kt, 264, 132, 0, False, slack, 0.25)
+                == gemm._work_split(groups, kt, 264, 132, 0, False, slack))
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
+    assert gemm._underfill_charge(False, 8, 4) == gemm._K4_WIDE_UNDERFILL_PCT / 100 > 0
+    for wg, warps, k in [(True, 8, 4), (False, 4, 4), (False, 8, 2), (False, 16, 5)]:
+        assert gemm._underfill_charge(wg, warps, k) == 0.0
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 3.35)  # the H100: not measured
+    assert gemm._underfill_charge(False, 8, 4) == 0.0
+
+
+def test_k4_wide_underfill_against_its_runs():
+    # The charge against the committed H200 A/B (in one process, the charge
+    # against none, k = 4, M = 1 / 4 / 8, fp16 and bf16): where it changes the
+    # split, never more than 1% slower, and at least 5% faster on most layers;
+    # where it does not, the same bits.
+    from kbit_cupy import gemm
+
+    line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=4(?: \w+)? cuBLAS\s+[\d.]+\s+default\s+"
+                      r"([\d.]+) .*?UNDERFILL_PCT=25\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
+    points, faster = 0, 0
+    for dtype in ("float16", "bfloat16"):
+        path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / \
+            f"define_ab_h200_k4_underfill_0b8e874_{dtype}.txt"
+        for m in map(line.match, path.read_text().splitlines()):
+            if not m:
+                continue
+            K_dim, N = int(m[1]), int(m[2])
+            gain = float(m[4]) / float(m[5])
+            rt_n, kt_n = gemm._tile_counts(N, K_dim)
+            split = [gemm._work_split(-(-rt_n // 8), kt_n, 264, 132, 0, False,
+                                      gemm._WIDE_STREAM_K_SLACK, u) for u in (0.0, 0.25)]
+            if split[0] == split[1]:
+                assert "DIFFERENT" not in m[6], (K_dim, N, dtype)
+                continue
+            assert gain >= 0.99, (K_dim, N, m[3], dtype, gain)
+            faster += gain >= 1.05
+            points += 1
+    assert points >= 80 and faster >= 0.75 * points, (points, faster)
+
+
 def test_wide_work_split_against_its_runs(monkeypatch):
     # The 8-warp mma launch's work split (gemm._work_split with
     # _WIDE_STREAM_K_SLACK; two CTAs an SM, 132 SMs) against the committed
