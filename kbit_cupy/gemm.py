@@ -1218,8 +1218,8 @@ _WIDE_STREAM_K_SLACK = 2.0
 # otherwise took 128 CTAs of 11 K tiles on 11008x4096 (one an SM) over 256
 # of 6; with the charge (x 2^0.25), 256. In one process on the H200 against
 # no charge (results/define_ab_h200_k4_underfill_0b8e874_{float16,bfloat16}.txt,
-# k = 4, M = 1 / 4 / 8, mma and auto): 1.06-1.08x faster on 11008x4096 and
-# 8192x5120, 1.10-1.13x on 11008x5120, 14336x5120, 17408x4096 and
+# k = 4, M = 1 / 4 / 8, mma and auto): 1.06-1.10x faster on 11008x4096 and
+# 8192x5120, 1.09-1.13x on 11008x5120, 14336x5120, 17408x4096 and
 # 18944x4096, 1.14-1.21x on 27648x4096, 13824x8192, 18944x8192, 22016x8192
 # and 29568x5120, 1.03-1.04x on 22016x2048, 0.99-1.01x on 13824x2048; the
 # layers whose split it leaves (14336x4096, 28672x8192) gave the same bits
