@@ -1213,8 +1213,8 @@ _SLAB_STREAM_K_SLACK = 8.0
 # 3-12% elsewhere (4096x14336 at M = 16, 4096x6144 at M = 64, k = 5 on 8192x57344).
 _WIDE_STREAM_K_SLACK = 2.0
 # k = 4's 8-warp mma.sync launch (two CTAs an SM): x 100 of the exponent by
-# which _work_split charges split K per tile on an SM left with one CTA (0:
-# not charged), on a GPU of _FAST_TBPS or more (_underfill_charge). Split K
+# which _work_split charges split K per tile where it leaves an SM one CTA
+# (0: not charged), on a GPU of _FAST_TBPS or more (_underfill_charge). Split K
 # otherwise took 128 CTAs of 11 K tiles on 11008x4096 (one an SM) over 256
 # of 6; with the charge (x 2^0.25), 256. In one process on the H200 against
 # no charge (results/define_ab_h200_k4_underfill_0b8e874_{float16,bfloat16}.txt,
@@ -1231,15 +1231,18 @@ _WIDE_STREAM_K_SLACK = 2.0
 # an SM ran 16 K tiles in 22 us, two together 32 in 25: NOTES-gemm.md,
 # "Per CTA, whole groups"): 0 there until measured.
 _K4_WIDE_UNDERFILL_PCT = 25
+# The same for k = 2's 8-warp launch (an A/B knob; 0: not charged)
+_K2_WIDE_UNDERFILL_PCT = 0
 
 
 def _underfill_charge(wg: bool, warps: int, k: int) -> float:
     """_work_split's ``underfill`` exponent for a dense launch (see
-    _K4_WIDE_UNDERFILL_PCT): k = 4's 8-warp mma.sync launch on a GPU of
-    _FAST_TBPS or more, else 0."""
-    if wg or warps != 8 or k != 4 or _device_tbps() < _FAST_TBPS:
+    _K4_WIDE_UNDERFILL_PCT): k = 4's 8-warp mma.sync launch (and k = 2's
+    under _K2_WIDE_UNDERFILL_PCT) on a GPU of _FAST_TBPS or more, else 0."""
+    pct = {4: _K4_WIDE_UNDERFILL_PCT, 2: _K2_WIDE_UNDERFILL_PCT}.get(k, 0)
+    if wg or warps != 8 or not pct or _device_tbps() < _FAST_TBPS:
         return 0.0
-    return _K4_WIDE_UNDERFILL_PCT / 100
+    return pct / 100
 
 
 @functools.cache  # pure
@@ -1260,8 +1263,8 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
     ``slack``, default _STREAM_K_SLACK, per stream-K CTA); ties go to more CTAs. Measured on
     the H100 against waves x tiles per CTA (d9006df): 14336x4096 M=1 +7%,
     4096x6144 +4..10%, 28672x8192 -2..+1%. ``underfill`` (_underfill_charge):
-    where split K leaves the busiest SM fewer CTAs than ``slots // sms``, its
-    tiles count ``(slots // sms / CTAs on it) ** underfill`` times.
+    where split K leaves every SM at most one CTA of the ``slots // sms`` it
+    holds, its tiles count ``(slots // sms) ** underfill`` times.
     """
     units = groups * k_tiles
     ctas = min(units, slots)
@@ -1272,10 +1275,10 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
         s_used = math.ceil(k_tiles / per)
         on_sm = math.ceil(groups * s_used / sms)  # CTAs on the busiest SM
         load = on_sm * per
-        if underfill and on_sm < per_sm:
-            # an SM left with fewer CTAs than it holds moves fewer bytes a
-            # microsecond: its tiles count (per_sm / on_sm) ^ underfill
-            load = load * (per_sm / on_sm) ** underfill
+        if underfill and on_sm == 1 < per_sm:
+            # an SM left with one CTA of the per_sm it holds moves fewer bytes
+            # a microsecond: its tiles count per_sm ^ underfill times
+            load = load * per_sm ** underfill
         key = (load, -s_used)
         if best is None or key < best[0]:
             best = (key, s_used, per)
