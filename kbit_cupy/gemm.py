@@ -1231,24 +1231,39 @@ _WIDE_STREAM_K_SLACK = 2.0
 # an SM ran 16 K tiles in 22 us, two together 32 in 25: NOTES-gemm.md,
 # "Per CTA, whole groups"): 0 there until measured.
 _K4_WIDE_UNDERFILL_PCT = 25
-# The same for k = 2's 8-warp launch (an A/B knob; 0: not charged)
-_K2_WIDE_UNDERFILL_PCT = 0
+# The same for k = 2's 8-warp launch where the lone CTA would run
+# _K2_UNDERFILL_TILES K tiles or more. In one process against no charge
+# (results/define_ab_h200_k2_underfill_f8a1cb0.txt, H200, fp16, M = 1..8,
+# mma and auto): lone CTAs of 17..29 K tiles split further ran 1.12-1.19x
+# faster (17408x4096, 18944x4096, 29568x4096: one row tile a warp),
+# 1.08-1.11x (13824x14336) and 1.03-1.05x (18944x8192: two row tiles a warp);
+# of 7..11 tiles 0.95-0.99x (13824x5120, 11008x8192, 13824x2048,
+# 22016x2048), but 11008x4096 1.02-1.03x.
+_K2_WIDE_UNDERFILL_PCT = 25
+_K2_UNDERFILL_TILES = 16
 
 
 def _underfill_charge(wg: bool, warps: int, k: int) -> float:
     """_work_split's ``underfill`` exponent for a dense launch (see
-    _K4_WIDE_UNDERFILL_PCT): k = 4's 8-warp mma.sync launch (and k = 2's
-    under _K2_WIDE_UNDERFILL_PCT) on a GPU of _FAST_TBPS or more, else 0."""
+    _K4_WIDE_UNDERFILL_PCT): k = 4's 8-warp mma.sync launch (and k = 2's,
+    _K2_WIDE_UNDERFILL_PCT, where _underfill_tiles says) on a GPU of
+    _FAST_TBPS or more, else 0."""
     pct = {4: _K4_WIDE_UNDERFILL_PCT, 2: _K2_WIDE_UNDERFILL_PCT}.get(k, 0)
     if wg or warps != 8 or not pct or _device_tbps() < _FAST_TBPS:
         return 0.0
     return pct / 100
 
 
+def _underfill_tiles(k: int) -> int:
+    """_work_split's ``underfill_tiles`` for the launch _underfill_charge charges."""
+    return _K2_UNDERFILL_TILES if k == 2 else 0
+
+
 @functools.cache  # pure
 def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
                 max_splits: int = 0, split_only: bool = False,
-                slack: float | None = None, underfill: float = 0.0) -> tuple[int, int, int]:
+                slack: float | None = None, underfill: float = 0.0,
+                underfill_tiles: int = 0) -> tuple[int, int, int]:
     """(units per group, CTAs, splits) for gemm_mma.cu's work split (splits: 0
     for stream-K; split K into at most ``max_splits`` segments where given;
     ``split_only``: never stream-K, for M chunks, whose CTAs must each hold
@@ -1264,7 +1279,8 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
     the H100 against waves x tiles per CTA (d9006df): 14336x4096 M=1 +7%,
     4096x6144 +4..10%, 28672x8192 -2..+1%. ``underfill`` (_underfill_charge):
     where split K leaves every SM at most one CTA of the ``slots // sms`` it
-    holds, its tiles count ``(slots // sms) ** underfill`` times.
+    holds, and that CTA ``underfill_tiles`` K tiles or more, its tiles count
+    ``(slots // sms) ** underfill`` times.
     """
     units = groups * k_tiles
     ctas = min(units, slots)
@@ -1275,7 +1291,7 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
         s_used = math.ceil(k_tiles / per)
         on_sm = math.ceil(groups * s_used / sms)  # CTAs on the busiest SM
         load = on_sm * per
-        if underfill and on_sm == 1 < per_sm:
+        if underfill and on_sm == 1 < per_sm and per >= underfill_tiles:
             # an SM left with one CTA of the per_sm it holds moves fewer bytes
             # a microsecond: its tiles count per_sm ^ underfill times
             load = load * per_sm ** underfill
@@ -1572,9 +1588,10 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         slack = None  # (_work_split's default, _STREAM_K_SLACK)
     while True:
         underfill = _underfill_charge(wg, warps, weight.k)
+        underfill_tiles = _underfill_tiles(weight.k)
         group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
                                                 _sm_count(), cap, chunks > 1,
-                                                slack, underfill)
+                                                slack, underfill, underfill_tiles)
         # The split assumes every CTA resident at once. A GPC holds whole
         # clusters only, so fewer clusters of `splits` CTAs may be resident
         # than SMs x CTAs per SM allow (2048x512 at 65..128 rows in two chunks,

@@ -1226,10 +1226,19 @@ def test_k4_wide_underfill_charge(monkeypatch):
                 == gemm._work_split(groups, kt, 264, 132, 0, False, slack))
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
     assert gemm._underfill_charge(False, 8, 4) == gemm._K4_WIDE_UNDERFILL_PCT / 100 > 0
-    for wg, warps, k in [(True, 8, 4), (False, 4, 4), (False, 8, 2), (False, 16, 5)]:
+    assert gemm._underfill_charge(False, 8, 2) == gemm._K2_WIDE_UNDERFILL_PCT / 100 > 0
+    for wg, warps, k in [(True, 8, 4), (False, 4, 4), (False, 8, 3), (False, 16, 5)]:
         assert gemm._underfill_charge(wg, warps, k) == 0.0
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 3.35)  # the H100: not measured
-    assert gemm._underfill_charge(False, 8, 4) == 0.0
+    assert gemm._underfill_charge(False, 8, 4) == gemm._underfill_charge(False, 8, 2) == 0.0
+    # k = 2 (one row tile a warp: three CTAs an SM) only where the lone CTA
+    # would run 16 K tiles or more: 17408x4096 (4 x 17) splits further,
+    # 11008x4096 (4 x 11) does not
+    charge, tiles = gemm._K2_WIDE_UNDERFILL_PCT / 100, gemm._underfill_tiles(2)
+    assert gemm._work_split(32, 68, 396, 132, 0, False, slack, charge, tiles) == (72, 384, 12)
+    assert (gemm._work_split(32, 43, 396, 132, 0, False, slack, charge, tiles)
+            == gemm._work_split(32, 43, 396, 132, 0, False, slack) == (44, 128, 4))
+    assert gemm._underfill_tiles(4) == 0
 
 
 def test_k4_wide_underfill_against_its_runs():
@@ -1260,6 +1269,37 @@ def test_k4_wide_underfill_against_its_runs():
             faster += gain >= 1.05
             points += 1
     assert points >= 80 and faster >= 0.75 * points, (points, faster)
+
+
+def test_k2_wide_underfill_against_its_runs():
+    # k = 2's charge against the committed H200 A/B (charged without the
+    # K-tile bound against none, M = 1..8, mma and auto, fp16): the points
+    # the bound keeps charged ran at least 2% faster; those it leaves (lone
+    # CTAs of fewer than 16 K tiles) include every point that ran slower.
+    from kbit_cupy import gemm
+
+    line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=2 (\w+) cuBLAS\s+[\d.]+\s+default\s+"
+                      r"([\d.]+) .*?UNDERFILL_PCT=25\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / \
+        "define_ab_h200_k2_underfill_f8a1cb0.txt"
+    kept = 0
+    for m in map(line.match, path.read_text().splitlines()):
+        if not m or "DIFFERENT" not in m[7]:
+            continue  # (auto at one row: the lookups, which the charge leaves)
+        K_dim, N = int(m[1]), int(m[2])
+        gain = float(m[5]) / float(m[6])
+        rt_n, kt_n = gemm._tile_counts(N, K_dim)
+        per_warp = 2 if rt_n >= 2 * 132 else 1
+        slots = 132 * (2 if per_warp == 2 else 3)
+        groups = -(-rt_n // (8 * per_warp))
+        args = (groups, kt_n, slots, 132, 0, False, gemm._WIDE_STREAM_K_SLACK)
+        charged = gemm._work_split(*args, 0.25, gemm._underfill_tiles(2)) != gemm._work_split(*args)
+        if charged:
+            assert gain >= 1.02, (K_dim, N, m[3], m[4], gain)
+            kept += 1
+        else:
+            assert gain <= 1.035, (K_dim, N, m[3], m[4], gain)
+    assert kept >= 30, kept
 
 
 def test_wide_work_split_against_its_runs(monkeypatch):

@@ -944,12 +944,17 @@ def test_latency_geometry_does_not_depend_on_the_layers_planned_before():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_k4_wide_launch_charged_for_lone_ctas(monkeypatch, dtype):
-    """k = 4's 8-warp launch on 11008x4096 (32 groups of 43 K tiles): on a
-    132-SM GPU of 4 TB/s or more (the H200) split K in eight, 256 CTAs (the
-    underfill charge, gemm._underfill_charge), elsewhere and without the
-    charge in four, 128; each within the reference's bounds, every element
-    written, the same bits again."""
+@pytest.mark.parametrize(("k", "K_dim", "knob", "splits"),
+                         [(4, 11008, "_K4_WIDE_UNDERFILL_PCT", 8),
+                          (2, 17408, "_K2_WIDE_UNDERFILL_PCT", 12)])
+def test_wide_launch_charged_for_lone_ctas(monkeypatch, dtype, k, K_dim, knob, splits):
+    """The 8-warp launch where split K would leave one CTA an SM: k = 4 on
+    11008x4096 (32 groups of 43 K tiles), k = 2 on 17408x4096 (32 of 68). On
+    a 132-SM GPU of 4 TB/s or more (the H200) split K in eight (k = 4, 256
+    CTAs) or twelve (k = 2, 384), with the underfill charge
+    (gemm._underfill_charge); elsewhere and without the charge in four, 128
+    CTAs. Each within the reference's bounds, every element written, the same
+    bits again."""
     import cupy as cp
 
     from kbit_cupy import gemm
@@ -957,16 +962,16 @@ def test_k4_wide_launch_charged_for_lone_ctas(monkeypatch, dtype):
     needs_kernel("wgmma")  # the 8-warp launch is sm_90's
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     charged = gemm._device_tbps() >= gemm._FAST_TBPS
-    for pct in (gemm._K4_WIDE_UNDERFILL_PCT, 0):
-        monkeypatch.setattr(gemm, "_K4_WIDE_UNDERFILL_PCT", pct)
+    for pct in (getattr(gemm, knob), 0):
+        monkeypatch.setattr(gemm, knob, pct)
         gemm._work_split.cache_clear()
         for M in (1, 5):
-            w, A, C = run_case(M, 4096, 11008, 4, dtype, "mma", seed=M + pct)
+            w, A, C = run_case(M, 4096, K_dim, k, dtype, "mma", seed=M + pct)
             plan = next(iter(w._plans.values()))
             grid = plan.launches[0][0].grid
             assert grid[0] == 32, grid  # (groups, splits, chunks)
             if sms == 132:
-                assert grid[1] == (8 if pct and charged else 4), (pct, charged, grid)
+                assert grid[1] == (splits if pct and charged else 4), (pct, charged, grid)
             again = kbit_gemm(cp.asarray(A), w, kernel="mma")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (pct, M)
     gemm._work_split.cache_clear()
