@@ -1223,8 +1223,8 @@ _WIDE_STREAM_K_SLACK = 2.0
 # 18944x4096, 1.14-1.21x on 27648x4096, 13824x8192, 18944x8192, 22016x8192
 # and 29568x5120, 1.03-1.04x on 22016x2048, 0.99-1.01x on 13824x2048; the
 # layers whose split it leaves (14336x4096, 28672x8192) gave the same bits
-# and times. Charged for every launch (gemm._UNDERFILL_PCT of 0b8850e's
-# run, define_ab_h200_underfill_0b8850e.txt) it lost up to 15% elsewhere
+# and times. Charged for every launch (0b8850e's knob,
+# define_ab_h200_underfill_0b8850e.txt) it lost up to 15% elsewhere
 # (4-warp launches on 4096x6144 and 5120x5120, k = 2's 8-warp launch on
 # 14336x4096 and 13824x5120), so k = 4's 8-warp launch only. Not measured
 # on the H100, whose stamps of this launch suggest the same (a lone CTA on
@@ -1586,9 +1586,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         slack = _WIDE_STREAM_K_SLACK
     else:
         slack = None  # (_work_split's default, _STREAM_K_SLACK)
+    underfill, underfill_tiles = _underfill_charge(wg, warps, weight.k), _underfill_tiles(weight.k)
     while True:
-        underfill = _underfill_charge(wg, warps, weight.k)
-        underfill_tiles = _underfill_tiles(weight.k)
         group_units, ctas, splits = _work_split(groups * chunks, kt_n, _sm_count() * per_sm,
                                                 _sm_count(), cap, chunks > 1,
                                                 slack, underfill, underfill_tiles)
