@@ -1215,6 +1215,18 @@ def test_wide_stream_k_slack():
     assert gemm._work_split(448, 32, 264, 132, 0, False, slack)[2] == 0
 
 
+def _underfill_ab_points(name: str, k: int):
+    """(K_dim, N, M, kernel or None, default time / charged time, the line's
+    rest) of each point of a committed define_ab.py run of the underfill
+    charge (benchmarks/results/``name``, the variant's knob at 25)."""
+    line = re.compile(rf"\s*(\d+)x(\d+) M=(\d+)\s+k={k}(?: (\w+))? cuBLAS\s+[\d.]+\s+default\s+"
+                      r"([\d.]+) .*?UNDERFILL_PCT=25\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / name
+    for m in map(line.match, path.read_text().splitlines()):
+        if m:
+            yield int(m[1]), int(m[2]), int(m[3]), m[4], float(m[5]) / float(m[6]), m[7]
+
+
 def test_k4_wide_underfill_charge(monkeypatch):
     # k = 4's 8-warp launch on a GPU of 4 TB/s or more (gemm._underfill_charge):
     # 11008x4096 (32 groups of 43 K tiles, two CTAs an SM on 132 SMs) splits K
@@ -1252,24 +1264,17 @@ def test_k4_wide_underfill_against_its_runs():
     # where it does not, the same bits.
     from kbit_cupy import gemm
 
-    line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=4(?: \w+)? cuBLAS\s+[\d.]+\s+default\s+"
-                      r"([\d.]+) .*?UNDERFILL_PCT=25\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
     points, faster = 0, 0
     for dtype in ("float16", "bfloat16"):
-        path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / \
-            f"define_ab_h200_k4_underfill_0b8e874_{dtype}.txt"
-        for m in map(line.match, path.read_text().splitlines()):
-            if not m:
-                continue
-            K_dim, N = int(m[1]), int(m[2])
-            gain = float(m[4]) / float(m[5])
+        for K_dim, N, M, _, gain, tail in _underfill_ab_points(
+                f"define_ab_h200_k4_underfill_0b8e874_{dtype}.txt", 4):
             rt_n, kt_n = gemm._tile_counts(N, K_dim)
             split = [gemm._work_split(-(-rt_n // 8), kt_n, 264, 132, 0, False,
                                       gemm._WIDE_STREAM_K_SLACK, u) for u in (0.0, 0.25)]
             if split[0] == split[1]:
-                assert "DIFFERENT" not in m[6], (K_dim, N, dtype)
+                assert "DIFFERENT" not in tail, (K_dim, N, dtype)
                 continue
-            assert gain >= 0.99, (K_dim, N, m[3], dtype, gain)
+            assert gain >= 0.99, (K_dim, N, M, dtype, gain)
             faster += gain >= 1.05
             points += 1
     assert points >= 80 and faster >= 0.75 * points, (points, faster)
@@ -1282,16 +1287,11 @@ def test_k2_wide_underfill_against_its_runs():
     # CTAs of fewer than 16 K tiles) include every point that ran slower.
     from kbit_cupy import gemm
 
-    line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=2 (\w+) cuBLAS\s+[\d.]+\s+default\s+"
-                      r"([\d.]+) .*?UNDERFILL_PCT=25\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / \
-        "define_ab_h200_k2_underfill_f8a1cb0.txt"
     kept = 0
-    for m in map(line.match, path.read_text().splitlines()):
-        if not m or "DIFFERENT" not in m[7]:
+    for K_dim, N, M, kernel, gain, tail in _underfill_ab_points(
+            "define_ab_h200_k2_underfill_f8a1cb0.txt", 2):
+        if "DIFFERENT" not in tail:
             continue  # (auto at one row: the lookups, which the charge leaves)
-        K_dim, N = int(m[1]), int(m[2])
-        gain = float(m[5]) / float(m[6])
         rt_n, kt_n = gemm._tile_counts(N, K_dim)
         per_warp = 2 if rt_n >= 2 * 132 else 1
         slots = 132 * (2 if per_warp == 2 else 3)
@@ -1299,10 +1299,10 @@ def test_k2_wide_underfill_against_its_runs():
         args = (groups, kt_n, slots, 132, 0, False, gemm._WIDE_STREAM_K_SLACK)
         charged = gemm._work_split(*args, 0.25, gemm._underfill_tiles(2)) != gemm._work_split(*args)
         if charged:
-            assert gain >= 1.02, (K_dim, N, m[3], m[4], gain)
+            assert gain >= 1.02, (K_dim, N, M, kernel, gain)
             kept += 1
         else:
-            assert gain <= 1.035, (K_dim, N, m[3], m[4], gain)
+            assert gain <= 1.035, (K_dim, N, M, kernel, gain)
     assert kept >= 30, kept
 
 

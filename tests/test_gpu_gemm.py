@@ -964,7 +964,6 @@ def test_wide_launch_charged_for_lone_ctas(monkeypatch, dtype, k, K_dim, knob, s
     charged = gemm._device_tbps() >= gemm._FAST_TBPS
     for pct in (getattr(gemm, knob), 0):
         monkeypatch.setattr(gemm, knob, pct)
-        gemm._work_split.cache_clear()
         for M in (1, 5):
             w, A, C = run_case(M, 4096, K_dim, k, dtype, "mma", seed=M + pct)
             plan = next(iter(w._plans.values()))
@@ -974,4 +973,3 @@ def test_wide_launch_charged_for_lone_ctas(monkeypatch, dtype, k, K_dim, knob, s
                 assert grid[1] == (splits if pct and charged else 4), (pct, charged, grid)
             again = kbit_gemm(cp.asarray(A), w, kernel="mma")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (pct, M)
-    gemm._work_split.cache_clear()
