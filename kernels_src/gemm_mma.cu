@@ -869,6 +869,17 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Grouped: the rows of a problem (Place: rows row0 .. row0 + rows - 1 of A);
   // all 8 * M_TILES staged rows are written, those past `rows` zero-filled.
   constexpr int kThreads = WG ? 128 * WG : 32 * WARPS;  // the launch's block size
+  // The dense launches' copies of A (not slab staging's, not the grouped
+  // ones'): KBIT_A_L1=1 (an A/B knob) caches them in L1 too (.ca), so that
+  // the CTAs of an SM walking the same K tiles of A read it from L2 once.
+#ifndef KBIT_A_L1
+#define KBIT_A_L1 0
+#endif
+#if KBIT_A_L1
+#define KBIT_A_COPY "cp.async.ca.shared.global"
+#else
+#define KBIT_A_COPY "cp.async.cg.shared.global"
+#endif
   // Grouped: this thread's staged rows t / 32 + (kThreads / 32) i of the problem whose rows
   // start at sorted row src_key0 (src_key1 of them), as rows of A (-1: past
   // the problem), resolved when the problem changes, not per K tile: with
@@ -907,7 +918,11 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
                          base + 16u * x_chunk(row, c)), "l"(src), "r"(valid ? 16 : 0));
       }
     } else if constexpr (WG || M_TILES > 1) {
+#if KBIT_PROBE_A_ROWS  // probe only (wrong results): copy at most this many rows of A a K tile
+      const int rows = min(min(M, 8 * M_TILES), KBIT_PROBE_A_ROWS);
+#else
       const int rows = min(M, 8 * M_TILES);  // rows past M are never read
+#endif
       const int c = threadIdx.x & 31;
       const int col = kt_l * 256 + 8 * c;
       const unsigned bytes = col < K_dim ? 16 : 0;  // past K_dim: zero-filled
@@ -919,8 +934,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll(WG && !(K == 5 && M_TILES == 16) ? 4 : 1)
       for (int row = threadIdx.x >> 5; row < rows; row += kThreads / 32) {
         const unsigned dst = base + 16u * x_chunk(row, c);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(bytes));
+        asm volatile(KBIT_A_COPY " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
         src += (long long)(kThreads / 32) * K_dim;
       }
     } else {
@@ -936,8 +950,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         const T* src = valid ? A + (long long)row * K_dim + col : A;
         const unsigned dst = (unsigned)__cvta_generic_to_shared(
             x_stage + x_align + buf * kStageChunks + x_chunk(row, c));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(valid ? 16 : 0));
+        asm volatile(KBIT_A_COPY " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);
