@@ -875,6 +875,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #ifndef KBIT_A_L1
 #define KBIT_A_L1 0
 #endif
+// KBIT_A_COPY_WARPS=n (an A/B knob, 0: off): only the CTA's first n warps copy A.
+#ifndef KBIT_A_COPY_WARPS
+#define KBIT_A_COPY_WARPS 0
+#endif
 #if KBIT_A_L1
 #define KBIT_A_COPY "cp.async.ca.shared.global"
 #else
@@ -929,13 +933,16 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const T* src = A + (long long)(threadIdx.x >> 5) * K_dim + (bytes ? col : 0);
       const unsigned base =
           (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
+      constexpr int kCopyWarps =
+          KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < kThreads / 32 ? KBIT_A_COPY_WARPS : kThreads / 32;
       // Unrolled on the wgmma path (up to 11 rows per thread), except k=5 at
       // 16 n8 tiles, which spills 16 bytes unrolled.
 #pragma unroll(WG && !(K == 5 && M_TILES == 16) ? 4 : 1)
-      for (int row = threadIdx.x >> 5; row < rows; row += kThreads / 32) {
+      for (int row = threadIdx.x >> 5; row < rows && (!KBIT_A_COPY_WARPS || (threadIdx.x >> 5) < kCopyWarps);
+           row += kCopyWarps) {
         const unsigned dst = base + 16u * x_chunk(row, c);
         asm volatile(KBIT_A_COPY " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-        src += (long long)(kThreads / 32) * K_dim;
+        src += (long long)kCopyWarps * K_dim;
       }
     } else {
 #if KBIT_PROBE_A_ROWS  // probe only (wrong results): copy at most this many rows of A a K tile
@@ -943,7 +950,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #else
       const int rows = min(M, 8 * M_TILES);  // rows past M are never read
 #endif
+#if KBIT_A_COPY_WARPS
+      const int copiers = min(32 * KBIT_A_COPY_WARPS, (int)blockDim.x);
+      for (int i = threadIdx.x; i < rows * 32 && (int)threadIdx.x < copiers; i += copiers) {
+#else
       for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
+#endif
         const int row = i >> 5, c = i & 31;
         const int col = kt_l * 256 + 8 * c;
         const bool valid = col < K_dim;  // row < M: rows = min(M, 8 * M_TILES)
