@@ -3,7 +3,8 @@
 usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py
 The 8-warp launch at M <= 8: k = 4, and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 (K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
-(gemm._K5_TABLE) at M <= 16. E4M4, large-layer shapes (one short group,
+(gemm._K5_TABLE) at M <= 16; the Hopper path's four-warpgroup launch at 6..16
+rows. E4M4, large-layer shapes (one short group,
 several), both work splits, fp16 and bf16; each result checked finite
 (poisoned output).
 """
@@ -19,13 +20,14 @@ rng = np.random.default_rng(0)
 count = 0
 wide_n = 32 * cp.cuda.Device().attributes["MultiProcessorCount"] + 80  # k = 2: two row tiles a warp
 cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
-         for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (4, wide_n, 8192)]
+         for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (6, 16400, 256),
+                             (4, wide_n, 8192)]
          if gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8]
 # k = 5: 16 warps and the 128 KB pair table at one and two n8 tiles (one: a
 # GPU of 4 TB/s or more, taken as that here)
 gemm._device_tbps = lambda: 4.8
 cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (9, 16400, 256),
-                                               (16, 40, 16384)]
+                                               (13, 16400, 256), (16, 40, 16384)]
           if gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16]
 for slack in (10**6, -10**6):  # split K, stream-K
     gemm._STREAM_K_SLACK = slack
@@ -37,6 +39,16 @@ for slack in (10**6, -10**6):  # split K, stream-K
             C = kc.kbit_gemm(A, w, out=out, kernel="mma")
             assert bool(cp.isfinite(C.astype(cp.float32)).all())
             count += 1
+# The Hopper path's four-warpgroup launch at 5..16 rows (its first four warps
+# copy A: gemm_mma.cu's KBIT_A_COPY_WARPS)
+for k, M in [(4, 6), (2, 12), (4, 16)]:
+    w = kc.quantize_weight(rng.standard_normal((wide_n, 8192)).astype(np.float32), k=k).to_device()
+    for dtype in (np.float16, BFLOAT16):
+        A = cp.asarray(rng.standard_normal((M, 8192)).astype(np.float32)).astype(dtype)
+        out = cp.full((M, wide_n), np.nan, dtype)
+        C = kc.kbit_gemm(A, w, out=out, kernel="wgmma")
+        assert bool(cp.isfinite(C.astype(cp.float32)).all())
+        count += 1
 cp.cuda.Device().synchronize()
 assert {k for k, *_ in cases} >= ({2, 4} if _jit.GEMM_K2_QUAD_TABLE else {4}), cases
 print(f"ran {count} cases")

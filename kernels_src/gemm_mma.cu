@@ -869,20 +869,18 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // Grouped: the rows of a problem (Place: rows row0 .. row0 + rows - 1 of A);
   // all 8 * M_TILES staged rows are written, those past `rows` zero-filled.
   constexpr int kThreads = WG ? 128 * WG : 32 * WARPS;  // the launch's block size
-  // The dense launches' copies of A (not slab staging's, not the grouped
-  // ones'): KBIT_A_L1=1 (an A/B knob) caches them in L1 too (.ca), so that
-  // the CTAs of an SM walking the same K tiles of A read it from L2 once.
-#ifndef KBIT_A_L1
-#define KBIT_A_L1 0
-#endif
-// KBIT_A_COPY_WARPS=n (an A/B knob, 0: off): only the CTA's first n warps copy A.
+  // The dense launches' copies of A at up to 16 staged rows (M_TILES <= 2):
+  // only the CTA's first KBIT_A_COPY_WARPS warps copy (0: every warp, the
+  // old form). With every warp of an 8-warp CTA copying one row at 8 rows,
+  // k = 4 took 6-7% more time than at 4 rows on the large layers (H200),
+  // the same as copying only 4 of the 8 rows (a probe, KBIT_PROBE_A_ROWS):
+  // so the cost was which warps copy, not the bytes. Four warps copying two
+  // rows each took it back (results/define_ab_h200_a_copy_warps_d40119d.txt:
+  // M = 8 k = 4 1.035-1.068x, k = 2 1.00-1.02x; M = 16 on the 16-warp
+  // Hopper launch 1.02-1.05x; the same bits); one warp copying all 8 lost
+  // 6-10%. At M <= 4 the same copies as before (warps 0-3, one row each).
 #ifndef KBIT_A_COPY_WARPS
-#define KBIT_A_COPY_WARPS 0
-#endif
-#if KBIT_A_L1
-#define KBIT_A_COPY "cp.async.ca.shared.global"
-#else
-#define KBIT_A_COPY "cp.async.cg.shared.global"
+#define KBIT_A_COPY_WARPS 4
 #endif
   // Grouped: this thread's staged rows t / 32 + (kThreads / 32) i of the problem whose rows
   // start at sorted row src_key0 (src_key1 of them), as rows of A (-1: past
@@ -933,15 +931,15 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const T* src = A + (long long)(threadIdx.x >> 5) * K_dim + (bytes ? col : 0);
       const unsigned base =
           (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
-      constexpr int kCopyWarps =
-          KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < kThreads / 32 ? KBIT_A_COPY_WARPS : kThreads / 32;
+      constexpr bool kFewCopiers = KBIT_A_COPY_WARPS && M_TILES <= 2 && KBIT_A_COPY_WARPS < kThreads / 32;
+      constexpr int kCopyWarps = kFewCopiers ? KBIT_A_COPY_WARPS : kThreads / 32;
       // Unrolled on the wgmma path (up to 11 rows per thread), except k=5 at
       // 16 n8 tiles, which spills 16 bytes unrolled.
 #pragma unroll(WG && !(K == 5 && M_TILES == 16) ? 4 : 1)
-      for (int row = threadIdx.x >> 5; row < rows && (!KBIT_A_COPY_WARPS || (threadIdx.x >> 5) < kCopyWarps);
+      for (int row = threadIdx.x >> 5; row < rows && (!kFewCopiers || (threadIdx.x >> 5) < kCopyWarps);
            row += kCopyWarps) {
         const unsigned dst = base + 16u * x_chunk(row, c);
-        asm volatile(KBIT_A_COPY " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
         src += (long long)kCopyWarps * K_dim;
       }
     } else {
@@ -962,7 +960,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
         const T* src = valid ? A + (long long)row * K_dim + col : A;
         const unsigned dst = (unsigned)__cvta_generic_to_shared(
             x_stage + x_align + buf * kStageChunks + x_chunk(row, c));
-        asm volatile(KBIT_A_COPY " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);

@@ -666,6 +666,39 @@ def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
         monkeypatch.setattr(gemm, "_WIDE_WARPS", 8)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_copied_by_four_warps_same_bits(monkeypatch, dtype):
+    """The dense launches of 8 and 16 warps at 5..16 rows: A's copies are
+    issued by the CTA's first four warps (gemm_mma.cu, KBIT_A_COPY_WARPS);
+    the 8-warp mma launch (k = 4 and 2), the 16-warp k = 5 launch at one and
+    two n8 tiles and the Hopper path's four warpgroups, over row counts that
+    leave a copy warp short (5, 6, 7, 13 rows): close to the reference,
+    every element written, and the same bits as the kernels built with
+    every warp copying (-DKBIT_A_COPY_WARPS=0)."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, gemm
+
+    needs_kernel("wgmma")  # the 8- and 16-warp launches are sm_90's
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)  # k = 5's 16 warps at one n8 tile
+    cases = [("mma", 4, 5, 16400, 512), ("mma", 4, 7, 1040, 8448), ("mma", 2, 6, 1040, 8448),
+             ("mma", 5, 6, 16400, 256), ("mma", 5, 13, 16400, 256),
+             ("wgmma", 4, 6, 2064, 4096), ("wgmma", 2, 13, 2064, 4096), ("wgmma", 4, 16, 2064, 4096)]
+    for kernel, k, M, N, K_dim in cases:
+        m_tiles = 1 if M <= 8 else 2
+        if kernel == "mma":
+            assert gemm._mma_warps(k, np.uint8, m_tiles, 1, N, K_dim) in (8, 16), (k, M, N, K_dim)
+        else:
+            assert gemm._wg_warpgroups(m_tiles, k, (N + 15) // 16, K_dim // 256) == 4, (k, M, N)
+    results = [run_case(M, N, K_dim, k, dtype, kernel, seed=M)[2] for kernel, k, M, N, K_dim in cases]
+    options = _jit.compile_options
+    monkeypatch.setattr(_jit, "compile_options", lambda: (*options(), "-DKBIT_A_COPY_WARPS=0"))
+    monkeypatch.setattr(_jit, "_kernels", {})
+    for (kernel, k, M, N, K_dim), C in zip(cases, results):
+        again = run_case(M, N, K_dim, k, dtype, kernel, seed=M)[2]
+        assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (kernel, k, M, N, K_dim)
+
+
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sixteen_warp_k5_launch(monkeypatch, dtype, split):
