@@ -23,7 +23,7 @@ count = 0
 wide_n = 32 * cp.cuda.Device().attributes["MultiProcessorCount"] + 80  # k = 2: two row tiles a warp
 cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
          for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (6, 16400, 256),
-                             (4, wide_n, 8192)]
+                             (7, 1040, 8448), (4, wide_n, 8192)]
          if gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8]
 # k = 5: 16 warps and the 128 KB pair table at one and two n8 tiles (one: a
 # GPU of 4 TB/s or more, taken as that here)
