@@ -1227,6 +1227,28 @@ def _underfill_ab_points(name: str, k: int):
             yield int(m[1]), int(m[2]), int(m[3]), m[4], float(m[5]) / float(m[6]), m[7]
 
 
+def test_a_copy_warps_against_its_runs():
+    # gemm_mma.cu's copies of A by the CTA's first four warps (KBIT_A_COPY_WARPS,
+    # the 8-warp mma launch and the 16-warp launches at two n8 tiles) against
+    # every warp copying, in one process on the H200 (auto, fp16, M = 6..16, k
+    # = 4 and 5, four large layers): the same bits everywhere, never 1% slower,
+    # k = 4 at 8 rows at least 2.5% faster on every layer and k = 5 at 16 rows
+    # at least 1.5%.
+    line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=(\d) cuBLAS\s+[\d.]+\s+default\s+([\d.]+) "
+                      r".*?KBIT_A_COPY_WARPS=0\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
+    path = (Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+            / "define_ab_h200_a_copy_warps_off_fcc7b75_float16.txt")
+    gains = {}
+    for m in map(line.match, path.read_text().splitlines()):
+        if m:
+            assert "DIFFERENT" not in m[7], m[0]
+            gains[int(m[1]), int(m[2]), int(m[3]), int(m[4])] = float(m[6]) / float(m[5])
+    assert len(gains) == 32 and min(gains.values()) >= 0.99, gains
+    layers = {(K_dim, N) for K_dim, N, *_ in gains}
+    assert all(gains[K_dim, N, 8, 4] >= 1.025 for K_dim, N in layers), gains
+    assert all(gains[K_dim, N, 16, 5] >= 1.015 for K_dim, N in layers), gains
+
+
 def test_k4_wide_underfill_charge(monkeypatch):
     # k = 4's 8-warp launch on a GPU of 4 TB/s or more (gemm._underfill_charge):
     # 11008x4096 (32 groups of 43 K tiles, two CTAs an SM on 132 SMs) splits K
