@@ -871,14 +871,20 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr int kThreads = WG ? 128 * WG : 32 * WARPS;  // the launch's block size
   // The dense launches' copies of A at up to 16 staged rows (M_TILES <= 2):
   // only the CTA's first KBIT_A_COPY_WARPS warps copy (0: every warp, the
-  // old form). With every warp of an 8-warp CTA copying one row at 8 rows,
-  // k = 4 took 6-7% more time than at 4 rows on the large layers (H200),
+  // old form), in the 8-warp mma launch at one n8 tile, the launches of more
+  // than four warps at two n8 tiles and the Hopper path's four warpgroups;
+  // not k = 5's 16-warp launch at one n8 tile (below), not the grouped
+  // launches. With every warp of an 8-warp CTA copying
+  // one row at 8 rows, k = 4 took 6-7% more time than at 4 rows on the large layers (H200),
   // the same as copying only 4 of the 8 rows (a probe, KBIT_PROBE_A_ROWS):
   // so the cost was which warps copy, not the bytes. Four warps copying two
   // rows each took it back (results/define_ab_h200_a_copy_warps_d40119d.txt:
   // M = 8 k = 4 1.035-1.068x, k = 2 1.00-1.02x; M = 16 on the 16-warp
   // Hopper launch 1.02-1.05x; the same bits); one warp copying all 8 lost
-  // 6-10%. At M <= 4 the same copies as before (warps 0-3, one row each).
+  // 6-10%. Against every warp copying, as taken
+  // (define_ab_h200_a_copy_warps_off_fcc7b75_float16.txt): k = 4 at 6..16
+  // rows 1.00-1.06x, k = 5 at 16 1.02-1.03x, at most 0.2% slower. At M <= 4
+  // the same copies as before (warps 0-3, one row each).
 #ifndef KBIT_A_COPY_WARPS
 #define KBIT_A_COPY_WARPS 4
 #endif

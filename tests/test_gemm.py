@@ -1228,8 +1228,8 @@ def _underfill_ab_points(name: str, k: int):
 
 
 def test_a_copy_warps_against_its_runs():
-    # gemm_mma.cu's copies of A by the CTA's first four warps (KBIT_A_COPY_WARPS,
-    # the 8-warp mma launch and the 16-warp launches at two n8 tiles) against
+    # gemm_mma.cu's copies of A by the CTA's first four warps (KBIT_A_COPY_WARPS:
+    # the 8-warp mma launch, the 16-warp launches at two n8 tiles) against
     # every warp copying, in one process on the H200 (auto, fp16, M = 6..16, k
     # = 4 and 5, four large layers): the same bits everywhere, never 1% slower,
     # k = 4 at 8 rows at least 2.5% faster on every layer and k = 5 at 16 rows

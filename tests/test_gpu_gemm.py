@@ -670,8 +670,9 @@ def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
 def test_a_copied_by_four_warps_same_bits(monkeypatch, dtype):
     """The dense launches of 8 and 16 warps at 5..16 rows: A's copies are
     issued by the CTA's first four warps (gemm_mma.cu, KBIT_A_COPY_WARPS);
-    the 8-warp mma launch (k = 4 and 2), the 16-warp k = 5 launch at one and
-    two n8 tiles and the Hopper path's four warpgroups, over row counts that
+    the 8-warp mma launch (k = 4 and 2), the 16-warp k = 5 launch at two n8
+    tiles (at one, where every warp still copies, the same check) and the
+    Hopper path's four warpgroups, over row counts that
     leave a copy warp short (5, 6, 7, 13 rows): close to the reference,
     every element written, and the same bits as the kernels built with
     every warp copying (-DKBIT_A_COPY_WARPS=0)."""
