@@ -874,7 +874,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // old form), in the 8-warp mma launch at one n8 tile, the launches of more
   // than four warps at two n8 tiles and the Hopper path's four warpgroups;
   // not k = 5's 16-warp launch at one n8 tile (below), not the grouped
-  // launches. With every warp of an 8-warp CTA copying
+  // launches (KBIT_GROUPED_COPY_WARPS). With every warp of an 8-warp CTA copying
   // one row at 8 rows, k = 4 took 6-7% more time than at 4 rows on the large layers (H200),
   // the same as copying only 4 of the 8 rows (a probe, KBIT_PROBE_A_ROWS):
   // so the cost was which warps copy, not the bytes. Four warps copying two
@@ -894,7 +894,18 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // row_ids each lookup is a dependent load (and a division) ahead of the
   // tile's copies, which measured 16-25% of the grouped launch's time at
   // 1024-4096 rows on the H100 (moe_linear against kbit_grouped_gemm).
-  constexpr int kRowsPerThread = GROUPED ? (8 * M_TILES + kThreads / 32 - 1) / (kThreads / 32) : 1;
+  // KBIT_GROUPED_COPY_WARPS=n (an A/B knob; 0, the default: every warp): the
+  // mma.sync grouped launches' copies at up to two n8 tiles by the CTA's
+  // first n warps, as the dense launches' (KBIT_A_COPY_WARPS above). Built,
+  // not measured. (Not the Hopper path's: at n = 4 its k = 5 four-warpgroup
+  // variant at two n8 tiles spilled 20 bytes.)
+#ifndef KBIT_GROUPED_COPY_WARPS
+#define KBIT_GROUPED_COPY_WARPS 0
+#endif
+  constexpr bool kFewGroupedCopiers =
+      GROUPED && !WG && KBIT_GROUPED_COPY_WARPS && M_TILES <= 2 && KBIT_GROUPED_COPY_WARPS < kThreads / 32;
+  constexpr int kGroupedCopyWarps = kFewGroupedCopiers ? KBIT_GROUPED_COPY_WARPS : kThreads / 32;
+  constexpr int kRowsPerThread = GROUPED ? (8 * M_TILES + kGroupedCopyWarps - 1) / kGroupedCopyWarps : 1;
   int src_row[kRowsPerThread];
   int src_key0 = -1, src_key1 = -1;
   auto load_x = [&](int kt_l, int buf, int from_row0, int from_rows) {
@@ -902,12 +913,18 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       // All 8 * M_TILES staged rows; row r of the problem is row
       // a_row(from_row0 + r) of A, those past from_rows zero-filled.
       // Thread t copies chunk t % 32 of rows t / 32, t / 32 + kThreads / 32, ...
+      // (kGroupedCopyWarps in place of kThreads / 32, and only its warps, with
+      // the knob above)
+      if (kFewGroupedCopiers && (threadIdx.x >> 5) >= kGroupedCopyWarps) {  // (warp-uniform)
+        asm volatile("cp.async.commit_group;\n" ::);  // (an empty group: every warp's count the same)
+        return;
+      }
       if (from_row0 != src_key0 || from_rows != src_key1) {
         src_key0 = from_row0;
         src_key1 = from_rows;
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-          const int row = (threadIdx.x >> 5) + i * (kThreads / 32);
+          const int row = (threadIdx.x >> 5) + i * kGroupedCopyWarps;
           src_row[i] = row < from_rows ? a_row(from_row0 + row) : -1;
         }
       }
@@ -918,8 +935,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const bool col_ok = col < K_dim;
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
-        const int row = (threadIdx.x >> 5) + i * (kThreads / 32);
-        if (8 * M_TILES % (kThreads / 32) != 0 && row >= 8 * M_TILES) break;  // (warp-uniform)
+        const int row = (threadIdx.x >> 5) + i * kGroupedCopyWarps;
+        if (8 * M_TILES % kGroupedCopyWarps != 0 && row >= 8 * M_TILES) break;  // (warp-uniform)
         const bool valid = col_ok && src_row[i] >= 0;
         const T* src = valid ? A + (long long)src_row[i] * K_dim + col : A;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
