@@ -874,9 +874,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // old form), in the 8-warp mma launch at one n8 tile, the launches of more
   // than four warps at two n8 tiles and the Hopper path's four warpgroups;
   // not k = 5's 16-warp launch at one n8 tile (below), not the grouped
-  // launches (KBIT_GROUPED_COPY_WARPS). With every warp of an 8-warp CTA copying
-  // one row at 8 rows, k = 4 took 6-7% more time than at 4 rows on the large layers (H200),
-  // the same as copying only 4 of the 8 rows (a probe, KBIT_PROBE_A_ROWS):
+  // launches (KBIT_GROUPED_COPY_WARPS). With every warp of an 8-warp CTA
+  // copying one row at 8 rows, k = 4 took 6-7% more time than at 4 rows on
+  // the large layers (H200), the same as copying only 4 of the 8 rows (a
+  // probe, KBIT_PROBE_A_ROWS):
   // so the cost was which warps copy, not the bytes. Four warps copying two
   // rows each took it back (results/define_ab_h200_a_copy_warps_d40119d.txt:
   // M = 8 k = 4 1.035-1.068x, k = 2 1.00-1.02x; M = 16 on the 16-warp
