@@ -53,6 +53,9 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh moe-ncu-source # stall samples by instruction, grouped launch (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-ncu    # gemm_lut.cu on 8192x57344 k = 2 M = 1: ncu sections and stall samples by instruction (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh lut-check  # gemm_lut.cu: GPU tests, memcheck, racecheck, and against mma and latency, fp16 and bf16 (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh copy-warps-h100 # (the H100) A copied by four warps, the lone-CTA charge (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh copy-warps-ncu  # stall samples, four copying warps and every warp (~3 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-copy-warps # the grouped launch's copies by four warps: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -493,5 +496,28 @@ case "${1:-}" in
       python benchmarks/sanitize_kernels.py $quick --large-m --k 5
     run 120 sanitize_fold_${tool}_${tag}_${commit}.txt compute-sanitizer --tool "$tool" \
       python benchmarks/sanitize_kernels.py --quick --k 2 3 --define "$FOLD" ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|memcheck|racecheck" >&2; exit 2 ;;
+  copy-warps-h100)  # (the H100) A copied by four warps at 5..16 rows against every warp; the lone-CTA charge (gated to 4 TB/s) with the gate lowered
+    warm "" gemm_mma gemm_latency gemm_lut
+    run 200 define_ab_${tag}_a_copy_warps_off_${commit}_float16.txt python benchmarks/define_ab.py \
+      --define KBIT_A_COPY_WARPS=0 --layers 8192x57344 28672x8192 4096x28672 14336x4096 --m 6 8 12 16 --k 2 4 5
+    run 200 define_ab_${tag}_underfill_gate_${commit}.txt python benchmarks/define_ab.py \
+      --define gemm._FAST_TBPS=3 --layers 11008x4096 13824x8192 22016x8192 18944x4096 29568x4096 \
+      --m 1 4 8 --k 4 2 --kernel mma ;;
+  copy-warps-ncu)  # per-instruction stall samples of the 8-warp mma launch at 8 rows (k = 4): four copying warps and every warp
+    for d in "" KBIT_A_COPY_WARPS=0; do
+      name=ncu_source_mma8_8192x57344_M8_k4_${d:+copy_all_}${tag}_${commit}
+      run 150 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-count 1 \
+        --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
+        python benchmarks/profile_gemm.py 8192 57344 8 4 mma ${d:+--define=$d}
+      "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+      run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
+    done ;;
+  grouped-copy-warps)  # the mma.sync grouped launch's copies of A by four warps (KBIT_GROUPED_COPY_WARPS=4) against every warp
+    warm "" gemm_mma gemm_latency moe_route
+    for cfg in "512 10 2048x512" "128 8 2048x1536" "128 8 768x2048"; do
+      set -- $cfg
+      run 150 moe_gap_probe_${tag}_grouped_copy_warps_e$1_$3_${commit}.txt python benchmarks/moe_gap_probe.py \
+        --experts $1 --top-k $2 --shape $3 --t 8 32 --ab KBIT_GROUPED_COPY_WARPS=4
+    done ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|copy-warps-h100|copy-warps-ncu|grouped-copy-warps|memcheck|racecheck" >&2; exit 2 ;;
 esac
