@@ -972,16 +972,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #else
       const int rows = min(M, 8 * M_TILES);  // rows past M are never read
 #endif
-#if KBIT_A_COPY_WARPS
       // (the 8-warp launch; k = 5's 16 warps lost 2-5% at 5..8 rows with four
       // copying, where every warp copying leaves eight of them at it)
-      constexpr bool kFewCopiers = WARPS == 8 && KBIT_A_COPY_WARPS < 8;
+      constexpr bool kFewCopiers = WARPS == 8 && KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < 8;
       const int copiers = kFewCopiers ? 32 * KBIT_A_COPY_WARPS : (int)blockDim.x;
       for (int i = threadIdx.x; i < rows * 32 && (!kFewCopiers || (int)threadIdx.x < copiers);
            i += copiers) {
-#else
-      for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
-#endif
         const int row = i >> 5, c = i & 31;
         const int col = kt_l * 256 + 8 * c;
         const bool valid = col < K_dim;  // row < M: rows = min(M, 8 * M_TILES)

@@ -1215,16 +1215,24 @@ def test_wide_stream_k_slack():
     assert gemm._work_split(448, 32, 264, 132, 0, False, slack)[2] == 0
 
 
+def _define_ab_points(name: str, k: str, variant: str):
+    """(K_dim, N, M, k, kernel or None, default time / the variant's time, the
+    line's rest) of each point at ``k`` (a regex) of a committed define_ab.py
+    run (benchmarks/results/``name``) whose variant's label ends in ``variant``."""
+    line = re.compile(rf"\s*(\d+)x(\d+) M=(\d+)\s+k=({k})(?: (\w+))? cuBLAS\s+[\d.]+\s+default\s+"
+                      rf"([\d.]+) .*?{re.escape(variant)}\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / name
+    for m in map(line.match, path.read_text().splitlines()):
+        if m:
+            yield int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5], float(m[6]) / float(m[7]), m[8]
+
+
 def _underfill_ab_points(name: str, k: int):
     """(K_dim, N, M, kernel or None, default time / charged time, the line's
     rest) of each point of a committed define_ab.py run of the underfill
     charge (benchmarks/results/``name``, the variant's knob at 25)."""
-    line = re.compile(rf"\s*(\d+)x(\d+) M=(\d+)\s+k={k}(?: (\w+))? cuBLAS\s+[\d.]+\s+default\s+"
-                      r"([\d.]+) .*?UNDERFILL_PCT=25\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / name
-    for m in map(line.match, path.read_text().splitlines()):
-        if m:
-            yield int(m[1]), int(m[2]), int(m[3]), m[4], float(m[5]) / float(m[6]), m[7]
+    for K_dim, N, M, _, kernel, gain, tail in _define_ab_points(name, str(k), "UNDERFILL_PCT=25"):
+        yield K_dim, N, M, kernel, gain, tail
 
 
 def test_a_copy_warps_against_its_runs():
@@ -1234,15 +1242,11 @@ def test_a_copy_warps_against_its_runs():
     # = 4 and 5, four large layers): the same bits everywhere, never 1% slower,
     # k = 4 at 8 rows at least 2.5% faster on every layer and k = 5 at 16 rows
     # at least 1.5%.
-    line = re.compile(r"\s*(\d+)x(\d+) M=(\d+)\s+k=(\d) cuBLAS\s+[\d.]+\s+default\s+([\d.]+) "
-                      r".*?KBIT_A_COPY_WARPS=0\s+([\d.]+) \([\d.]+x, [\d.]+\)(.*)$")
-    path = (Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-            / "define_ab_h200_a_copy_warps_off_fcc7b75_float16.txt")
     gains = {}
-    for m in map(line.match, path.read_text().splitlines()):
-        if m:
-            assert "DIFFERENT" not in m[7], m[0]
-            gains[int(m[1]), int(m[2]), int(m[3]), int(m[4])] = float(m[6]) / float(m[5])
+    for K_dim, N, M, k, _, ratio, tail in _define_ab_points(
+            "define_ab_h200_a_copy_warps_off_fcc7b75_float16.txt", r"\d", "KBIT_A_COPY_WARPS=0"):
+        assert "DIFFERENT" not in tail, (K_dim, N, M, k)
+        gains[K_dim, N, M, k] = 1 / ratio  # every warp copying's time / four copying warps'
     assert len(gains) == 32 and min(gains.values()) >= 0.99, gains
     layers = {(K_dim, N) for K_dim, N, *_ in gains}
     assert all(gains[K_dim, N, 8, 4] >= 1.025 for K_dim, N in layers), gains
