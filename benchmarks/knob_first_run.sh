@@ -56,6 +56,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh copy-warps-h100 # (the H100) A copied by four warps, the lone-CTA charge (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh copy-warps-ncu  # stall samples, four copying warps and every warp (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-copy-warps # the grouped launch's copies by four warps: A/B (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh no-bar-probe  # (wrong results) the mma launches without their per-tile barrier (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -512,6 +513,11 @@ case "${1:-}" in
       "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
       run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
     done ;;
+  no-bar-probe)  # (a probe, wrong results) the dense mma.sync launches without their per-tile barrier: what the barrier's wait costs
+    warm "" gemm_mma
+    warm KBIT_PROBE_NO_BAR=1 gemm_mma
+    run 280 define_ab_${tag}_probe_no_bar_${commit}.txt python benchmarks/define_ab.py \
+      --define KBIT_PROBE_NO_BAR=1 --layers 8192x57344 28672x8192 4096x28672 14336x4096 --m 1 8 16 --k 2 4 --kernel mma ;;
   grouped-copy-warps)  # the mma.sync grouped launch's copies of A by four warps (KBIT_GROUPED_COPY_WARPS=4) against every warp
     warm "" gemm_mma gemm_latency moe_route
     for cfg in "512 10 2048x512" "128 8 2048x1536" "128 8 768x2048"; do
