@@ -57,6 +57,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh copy-warps-ncu  # stall samples, four copying warps and every warp (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-copy-warps # the grouped launch's copies by four warps: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh no-bar-probe  # (wrong results) the mma launches without their per-tile barrier (~5 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh a-ring  # A's stages in an mbarrier ring: A/B, odd shapes (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -518,6 +519,15 @@ case "${1:-}" in
     warm KBIT_PROBE_NO_BAR=1 gemm_mma
     run 280 define_ab_${tag}_probe_no_bar_${commit}.txt python benchmarks/define_ab.py \
       --define KBIT_PROBE_NO_BAR=1 --layers 8192x57344 28672x8192 4096x28672 14336x4096 --m 1 8 16 --k 2 4 --kernel mma ;;
+  a-ring)  # A's stages in a ring of 3 or 4 handed over by mbarriers (KBIT_A_RING) against two stages and a barrier a K tile; its accuracy over odd shapes
+    warm "" gemm_mma
+    warm KBIT_A_RING=4 gemm_mma
+    warm KBIT_A_RING=3 gemm_mma
+    run 150 define_check_${tag}_a_ring_${commit}.txt python benchmarks/define_check.py \
+      --define KBIT_A_RING=4,_jit.GEMM_MMA_A_RING=4 --define KBIT_A_RING=3,_jit.GEMM_MMA_A_RING=3
+    run 330 define_ab_${tag}_a_ring_${commit}.txt python benchmarks/define_ab.py \
+      --define KBIT_A_RING=3,_jit.GEMM_MMA_A_RING=3 --define KBIT_A_RING=4,_jit.GEMM_MMA_A_RING=4 \
+      --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 16 --k 2 4 5 --kernel mma ;;
   grouped-copy-warps)  # the mma.sync grouped launch's copies of A by four warps (KBIT_GROUPED_COPY_WARPS=4) against every warp
     warm "" gemm_mma gemm_latency moe_route
     for cfg in "512 10 2048x512" "128 8 2048x1536" "128 8 768x2048"; do

@@ -225,6 +225,10 @@ def gemm_lut_args(dtype: str, table_at: int, total: bool, l2_hint: bool = False)
 # whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
 # half or quarter tiles)
 GEMM_LATENCY_KSPLIT = 1
+# gemm_mma.cu KBIT_A_RING: the dense mma.sync launches' stages of A (0: two, a
+# barrier a K tile; S >= 3: a ring of S handed over by mbarriers; A/B runs set
+# both, -DKBIT_A_RING=S and this)
+GEMM_MMA_A_RING = 0
 # the bit widths whose MoE few-pair launch takes half K tiles (experts._MOE_LATENCY_KSPLIT)
 MOE_LATENCY_KSPLIT_KS = (4,)
 # the bit widths whose dense gemm_latency launch may take half K tiles

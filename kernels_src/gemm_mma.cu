@@ -543,7 +543,21 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // warp fills (see below): a whole K tile of 256 rows would be 128 KB a
   // stage. Otherwise a stage is a K tile (WG: three, two past 16 n8 tiles;
   // mma: two).
-  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? gemm_wg_stages(M_TILES) : 2;
+  // KBIT_A_RING = S >= 3 (an A/B knob; 0, the default: two stages and one
+  // __syncthreads a K tile): the dense mma.sync launches keep A's K tiles in
+  // a ring of S stages handed over by mbarriers, so that a warp waits only
+  // for the copies of the tile it reads, not for the CTA's slowest warp. The
+  // copying warps issue tile t + S - 2 while the CTA reads tile t, once every
+  // warp has arrived done with tile t - 2 (ring_issue below). The host sizes
+  // S stages from _jit.GEMM_MMA_A_RING (set it the same). A probe without the
+  // per-tile barrier (KBIT_PROBE_NO_BAR, wrong results) took 2-11% less time
+  // on the large layers (H200, results/define_ab_h200_probe_no_bar_aee9c98.txt).
+#ifndef KBIT_A_RING
+#define KBIT_A_RING 0
+#endif
+  constexpr bool kRing = KBIT_A_RING >= 3 && !WG && !GROUPED && M_TILES <= 2;  // (at 4 n8 tiles and two row tiles a warp k = 2 spilled)
+  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? gemm_wg_stages(M_TILES) : kRing ? KBIT_A_RING : 2;
+  constexpr int kRingLead = kRing ? KBIT_A_RING - 2 : 1;  // tiles of A in flight ahead of the one read
   // WG with two stages (more than 16 n8 tiles below slab staging: the grouped
   // launch's 144- and 160-row problems, whose three stages would not fit):
   // a tile's copies wait for every multiply of the previous tile (see tile()).
@@ -903,6 +917,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #ifndef KBIT_GROUPED_COPY_WARPS
 #define KBIT_GROUPED_COPY_WARPS 0
 #endif
+  // The ring (KBIT_A_RING): the warps that copy in load_x's dense branches
+  // below (each of their threads arrives on the stage's full barrier).
+  constexpr int kRingCopyWarps =
+      M_TILES > 1 ? (KBIT_A_COPY_WARPS && M_TILES <= 2 && KBIT_A_COPY_WARPS < kThreads / 32 ? KBIT_A_COPY_WARPS
+                                                                                           : kThreads / 32)
+                  : (WARPS == 8 && KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < 8 ? KBIT_A_COPY_WARPS : WARPS);
   constexpr bool kFewGroupedCopiers =
       GROUPED && !WG && KBIT_GROUPED_COPY_WARPS && M_TILES <= 2 && KBIT_GROUPED_COPY_WARPS < kThreads / 32;
   constexpr int kGroupedCopyWarps = kFewGroupedCopiers ? KBIT_GROUPED_COPY_WARPS : kThreads / 32;
@@ -1050,8 +1070,48 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     }
   }
   if (u_begin < u_end && (!kSlab || warp < warps)) {  // (slabs: the producer's)
-    if constexpr (!kSlab) load_x(kt, 0, cur.row0, cur.rows);
+    if constexpr (!kSlab && !kRing) load_x(kt, 0, cur.row0, cur.rows);
     if (!tile_loaded) load_first_tile();
+  }
+  // The ring (KBIT_A_RING): full[s] completes when the copies of the tile in
+  // stage s have landed (one arrival per copying thread, at its copies'
+  // completion), empty[s] when every thread has read it. ring_issue copies
+  // the CTA's next tile of A (the same walk over units as the loop below).
+  // (128 bytes: the static shared memory stays a multiple of 128, so the dynamic stages start on a line)
+  static_assert(!kRing || kStages <= 8, "ring: at most 8 stages");
+  __shared__ unsigned long long ring_bars[kRing ? 16 : 1];
+  unsigned long long* const ring_full = ring_bars;
+  unsigned long long* const ring_empty = ring_bars + 8;
+  int ring_u = u_begin, ring_kt = kt, ring_next = 0;
+  auto ring_issue = [&]() {
+    if (ring_u >= u_end || ring_kt >= k_tiles) return;  // (CTA-uniform)
+    const int s = ring_next % kStages;
+    if (warp < kRingCopyWarps) {  // (warp-uniform)
+      if (ring_next >= kStages) ring_bar_wait(ring_empty + s, (ring_next / kStages - 1) & 1);
+      load_x(ring_kt, s, 0, M);
+      ring_bar_copies_arrive(ring_full + s);
+    }
+    ++ring_next;
+    ++ring_u;
+    if (++ring_kt == k_tiles) {  // the next group's K tile 0 (split K: past u_end)
+      ring_u += group_units - k_tiles;
+      ring_kt = 0;
+    }
+  };
+  if constexpr (kRing) {
+    if (threadIdx.x == 0) {
+      unsigned dyn;
+      asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+      if (dyn < (unsigned)(kStages * kStageChunks * 16)) __trap();  // the host sized fewer stages
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        ring_bar_init(ring_full + s, 32 * kRingCopyWarps);
+        ring_bar_init(ring_empty + s, kThreads);
+      }
+    }
+    __syncthreads();  // the barriers initialised before any arrival
+#pragma unroll
+    for (int l = 0; l < kRingLead; ++l) ring_issue();
   }
 
   // The tables are built while the first loads are in flight; the barrier at
@@ -1594,7 +1654,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   auto tile = [&](int i, const unsigned (&w)[RPW][4 * K], const RawScale (&raw)[RPW],
                   unsigned (&w_next)[RPW][4 * K], RawScale (&raw_next)[RPW]) {
     // (Slab staging: each slab's stage follows from its index, slab_s below.)
-    const int buf = WG ? (seg_buf0 + i) % kStages : (seg_buf0 ^ i) & 1;
+    const int buf = WG ? (seg_buf0 + i) % kStages : kRing ? (tiles_done + i) % kStages : (seg_buf0 ^ i) & 1;
     const unsigned x_base = (unsigned)__cvta_generic_to_shared(x_stage + x_align);
     // mma: lane l gives ldmatrix the address of row 8mt + (l & 7), chunk
     // 4j + (l >> 3) of the stage (matrix l >> 3 of the x4 load): chunk
@@ -1637,7 +1697,17 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       if (has_next) refill(buf, next_kt, in_seg);
     };
     if constexpr (kTwoStageWg) wgmma_wait<0>();
-    if constexpr (!kSlab) publish();
+    if constexpr (kRing) {
+      // This tile's copies landed; then the one kRingLead tiles on
+      ring_bar_wait(ring_full + buf, ((tiles_done + i) / kStages) & 1);
+      if (i == 0 && tiles_done == 0) {  // (stamped builds only)
+        mma_phase(2);
+        mma_phase_after(1, w[0][0]);
+      }
+      ring_issue();
+    } else if constexpr (!kSlab) {
+      publish();
+    }
     // Scale words of rows g (lo) and g + 8 (hi): blocks 4*half .. 4*half+3.
     unsigned sw_lo[RPW][2 * ScaleWord<TScale>::kBytes / 4], sw_hi[RPW][2 * ScaleWord<TScale>::kBytes / 4];
 #pragma unroll
@@ -1835,6 +1905,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       }
       }  // WG
     }
+    if constexpr (kRing) ring_bar_arrive(ring_empty + buf);  // this thread's reads of the stage done
   };
   auto copy_set = [&]() {  // set 1 -> set 0
 #pragma unroll
@@ -1844,6 +1915,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       raw_s[0][r] = raw_s[kSets - 1][r];
     }
   };
+  // The ring: the tables and the zeroed rows past M written before any read
+  // (without it the first tile's barrier orders them)
+  if constexpr (kRing) __syncthreads();
   while (u < u_end) {  // segments
     seg_kt0 = kt;
     seg_n = min(k_tiles, kt + (u_end - u)) - kt;

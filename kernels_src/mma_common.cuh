@@ -173,6 +173,39 @@ __device__ __forceinline__ V ldg_weight(const V* p, unsigned long long policy) {
 #endif
 }
 
+// mbarriers from sm_80 on (the dense mma.sync launches' ring of A's stages,
+// gemm_mma.cu KBIT_A_RING): initialised with `count` arrivals a phase.
+__device__ __forceinline__ void ring_bar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)),
+               "r"(count) : "memory");
+}
+// One arrival (release: this thread's reads of the stage come first).
+__device__ __forceinline__ void ring_bar_arrive(unsigned long long* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+// One arrival once this thread's cp.async copies issued so far have landed
+// (.noinc: counted in the barrier's `count`).
+__device__ __forceinline__ void ring_bar_copies_arrive(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(
+                   (unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+// Waits until the phase of parity `parity` has completed (acquire).
+__device__ __forceinline__ void ring_bar_wait(unsigned long long* bar, unsigned parity) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred done;\nKBIT_RING_WAIT:\n"
+      "mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
+      "@!done bra KBIT_RING_WAIT;\n}\n" ::"r"(a), "r"(parity) : "memory");
+#else
+  asm volatile(
+      "{\n.reg .pred done;\nKBIT_RING_WAIT:\n"
+      "mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n"
+      "@!done bra KBIT_RING_WAIT;\n}\n" ::"r"(a), "r"(parity) : "memory");
+#endif
+}
+
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
   __device__ static void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
