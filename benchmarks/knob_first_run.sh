@@ -58,6 +58,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh grouped-copy-warps # the grouped launch's copies by four warps: A/B (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh no-bar-probe  # (wrong results) the mma launches without their per-tile barrier (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh a-ring  # A's stages in an mbarrier ring: A/B, odd shapes (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh a-ring-auto  # the ring under kernel auto, k = 2..5 (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -528,6 +529,13 @@ case "${1:-}" in
     run 330 define_ab_${tag}_a_ring_${commit}.txt python benchmarks/define_ab.py \
       --define KBIT_A_RING=3,_jit.GEMM_MMA_A_RING=3 --define KBIT_A_RING=4,_jit.GEMM_MMA_A_RING=4 \
       --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 16 --k 2 4 5 --kernel mma ;;
+  a-ring-auto)  # the ring as a user meets it (kernel auto), k = 2..5, large and mid layers
+    warm "" gemm_mma gemm_latency gemm_lut
+    warm KBIT_A_RING=4 gemm_mma gemm_latency gemm_lut
+    warm KBIT_A_RING=3 gemm_mma gemm_latency gemm_lut
+    run 400 define_ab_${tag}_a_ring_auto_${commit}.txt python benchmarks/define_ab.py \
+      --define KBIT_A_RING=3,_jit.GEMM_MMA_A_RING=3 --define KBIT_A_RING=4,_jit.GEMM_MMA_A_RING=4 \
+      --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 4096x4096 --m 1 2 4 8 12 16 --k 2 3 4 5 --kernel auto ;;
   grouped-copy-warps)  # the mma.sync grouped launch's copies of A by four warps (KBIT_GROUPED_COPY_WARPS=4) against every warp
     warm "" gemm_mma gemm_latency moe_route
     for cfg in "512 10 2048x512" "128 8 2048x1536" "128 8 768x2048"; do

@@ -1075,7 +1075,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   }
   // The ring (KBIT_A_RING): full[s] completes when the copies of the tile in
   // stage s have landed (one arrival per copying thread, at its copies'
-  // completion), empty[s] when every thread has read it. ring_issue copies
+  // completion), empty[s] when every warp has read it. ring_issue copies
   // the CTA's next tile of A (the same walk over units as the loop below).
   // (128 bytes: the static shared memory stays a multiple of 128, so the dynamic stages start on a line)
   static_assert(!kRing || kStages <= 8, "ring: at most 8 stages");
@@ -1106,7 +1106,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
         ring_bar_init(ring_full + s, 32 * kRingCopyWarps);
-        ring_bar_init(ring_empty + s, kThreads);
+        ring_bar_init(ring_empty + s, kThreads / 32);  // (lane 0 of each warp)
       }
     }
     __syncthreads();  // the barriers initialised before any arrival
@@ -1905,7 +1905,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       }
       }  // WG
     }
-    if constexpr (kRing) ring_bar_arrive(ring_empty + buf);  // this thread's reads of the stage done
+    if constexpr (kRing) {  // the warp's reads of the stage done (ldmatrix: warp-wide, synchronous)
+      __syncwarp();
+      if (lane == 0) ring_bar_arrive(ring_empty + buf);
+    }
   };
   auto copy_set = [&]() {  // set 1 -> set 0
 #pragma unroll
