@@ -59,6 +59,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh no-bar-probe  # (wrong results) the mma launches without their per-tile barrier (~5 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh a-ring  # A's stages in an mbarrier ring: A/B, odd shapes (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh a-ring-auto  # the ring under kernel auto, k = 2..5 (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring-check  # k = 5's ring by default: tests, sanitizers, A/B (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -536,6 +537,20 @@ case "${1:-}" in
     run 400 define_ab_${tag}_a_ring_auto_${commit}.txt python benchmarks/define_ab.py \
       --define KBIT_A_RING=3,_jit.GEMM_MMA_A_RING=3 --define KBIT_A_RING=4,_jit.GEMM_MMA_A_RING=4 \
       --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 4096x4096 --m 1 2 4 8 12 16 --k 2 3 4 5 --kernel auto ;;
+  ring-check)  # the ring as the default of k = 5's 16-warp launch: its GPU tests, memcheck and racecheck, an A/B against two stages
+    warm "" gemm_mma gemm_latency gemm_lut
+    warm KBIT_A_RING=0 gemm_mma
+    run 240 gpu_tests_${tag}_a_ring_${commit}.txt python -m pytest -q -x tests/test_gpu_gemm.py \
+      -k "a_ring or sixteen_warp or four_warps"
+    run 150 sanitize_wide_mma_memcheck_${tag}_a_ring_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_wide_mma.py --k5
+    run 150 sanitize_wide_mma_racecheck_${tag}_a_ring_${commit}.txt compute-sanitizer --tool racecheck \
+      python benchmarks/sanitize_wide_mma.py --k5 --quick
+    for dt in float16 bfloat16; do
+      run 150 define_ab_${tag}_a_ring_off_${commit}_${dt}.txt python benchmarks/define_ab.py \
+        --define KBIT_A_RING=0,_jit.GEMM_MMA_A_RING=0 --dtype $dt \
+        --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 4096x4096 --m 1 4 8 16 --k 5
+    done ;;
   grouped-copy-warps)  # the mma.sync grouped launch's copies of A by four warps (KBIT_GROUPED_COPY_WARPS=4) against every warp
     warm "" gemm_mma gemm_latency moe_route
     for cfg in "512 10 2048x512" "128 8 2048x1536" "128 8 768x2048"; do

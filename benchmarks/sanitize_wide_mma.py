@@ -1,6 +1,6 @@
 """The 8-warp mma launch (gemm._mma_warps) for compute-sanitizer (device only).
 
-usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick]
+usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick] [--k5]
 The 8-warp launch at M <= 8: k = 4, and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 (K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
 (gemm._K5_TABLE) at M <= 16; the Hopper path's four-warpgroup launch at 6..16
@@ -35,6 +35,8 @@ cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (
 quick = "--quick" in sys.argv[1:]
 if quick:
     cases = [c for c in cases if c[1] >= 5]
+if "--k5" in sys.argv[1:]:  # the 16-warp k = 5 launch alone (its ring of A's stages)
+    cases = [c for c in cases if c[0] == 5]
 for slack in (10**6,) if quick else (10**6, -10**6):  # split K, stream-K
     gemm._STREAM_K_SLACK = slack
     for k, M, N, K_dim in cases:

@@ -225,10 +225,18 @@ def gemm_lut_args(dtype: str, table_at: int, total: bool, l2_hint: bool = False)
 # whole K tiles; 2 or 4, for A/B runs built with -DKBIT_LATENCY_KSPLIT the same:
 # half or quarter tiles)
 GEMM_LATENCY_KSPLIT = 1
-# gemm_mma.cu KBIT_A_RING: the dense mma.sync launches' stages of A (0: two, a
-# barrier a K tile; S >= 3: a ring of S handed over by mbarriers; A/B runs set
-# both, -DKBIT_A_RING=S and this)
-GEMM_MMA_A_RING = 0
+# gemm_mma.cu KBIT_A_RING: -1 (the default) the kernel's own choice, a ring
+# of 4 stages on k = 5's 16-warp launch; A/B runs set both, -DKBIT_A_RING=S
+# and this (0: two stages everywhere; S >= 3: a ring of S at up to two n8 tiles)
+GEMM_MMA_A_RING = -1
+
+
+def gemm_mma_a_stages(k: int, m_tiles: int, warps: int) -> int:
+    """Stages of A's K tiles that the dense (not grouped) mma.sync launch of
+    gemm_mma.cu keeps in shared memory (its kStages; the kernel traps if the
+    launch gives it fewer)."""
+    ring = GEMM_MMA_A_RING if GEMM_MMA_A_RING >= 0 else (4 if k == 5 and warps == 16 else 0)
+    return ring if ring >= 3 and m_tiles <= 2 else 2
 # the bit widths whose MoE few-pair launch takes half K tiles (experts._MOE_LATENCY_KSPLIT)
 MOE_LATENCY_KSPLIT_KS = (4,)
 # the bit widths whose dense gemm_latency launch may take half K tiles

@@ -1556,15 +1556,14 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         if _cb_fold(weight, dtype, "mma", m_tiles):
             args = _jit.cb_fold_variant("gemm_mma", args) or args
         kern = _jit.get_kernel("gemm_mma", *args)
-    # mma: two stages of a K tile's activations (or _jit.GEMM_MMA_A_RING); wgmma: three, or a ring of
+    # mma: two stages of a K tile's activations (four in k = 5's ring); wgmma: three, or a ring of
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
     # swizzle) by the kernel
     if wg:
         shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, dtype.itemsize)
         shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, wgs, False, 4)
     else:
-        stages = _jit.GEMM_MMA_A_RING if _jit.GEMM_MMA_A_RING >= 3 else 2
-        shared = stages * m_tiles * 8 * K_PER_TILE * dtype.itemsize
+        shared = _jit.gemm_mma_a_stages(weight.k, m_tiles, warps) * m_tiles * 8 * K_PER_TILE * dtype.itemsize
         shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, 0, False, warps)
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps

@@ -543,21 +543,33 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // warp fills (see below): a whole K tile of 256 rows would be 128 KB a
   // stage. Otherwise a stage is a K tile (WG: three, two past 16 n8 tiles;
   // mma: two).
-  // KBIT_A_RING = S >= 3 (an A/B knob; 0, the default: two stages and one
-  // __syncthreads a K tile): the dense mma.sync launches keep A's K tiles in
-  // a ring of S stages handed over by mbarriers, so that a warp waits only
-  // for the copies of the tile it reads, not for the CTA's slowest warp. The
-  // copying warps issue tile t + S - 2 while the CTA reads tile t, once every
-  // warp has arrived done with tile t - 2 (ring_issue below). The host sizes
-  // S stages from _jit.GEMM_MMA_A_RING (set it the same). A probe without the
-  // per-tile barrier (KBIT_PROBE_NO_BAR, wrong results) took 2-11% less time
-  // on the large layers (H200, results/define_ab_h200_probe_no_bar_aee9c98.txt).
+  // The ring: k = 5's 16-warp mma.sync launch (one and two n8 tiles) keeps
+  // A's K tiles in a ring of 4 stages handed over by mbarriers instead of
+  // two stages and a __syncthreads a K tile, so that a warp waits only for
+  // the copies of the tile it reads, not for the CTA's slowest warp. The
+  // copying warps issue tile t + 2 while the CTA reads tile t, once every
+  // warp has arrived done with tile t - 2 (ring_issue below). A probe without
+  // the per-tile barrier (KBIT_PROBE_NO_BAR, wrong results) took 2-11% less
+  // time on the large layers (H200, results/define_ab_h200_probe_no_bar_aee9c98.txt).
+  // H200, kernel auto, in one process against two stages, the same bits
+  // (results/define_ab_h200_a_ring_auto_8278b35.txt): k = 5 at 1..8 rows
+  // 1.01-1.09x on 8192x57344, 28672x8192, 4096x28672 and 14336x4096,
+  // 4096x4096 1.00-1.015x, 4096x6144 0.984-0.994x. Not elsewhere: k = 4 gained
+  // 2-4% at 1..2 rows on the large layers but lost 1-2% at 8 and 7-8% on
+  // 4096x6144; k = 2 and 3 lost up to 8% and 14% (their tables and the
+  // extra stages leave fewer CTAs an SM).
+  // KBIT_A_RING = S (an A/B knob; -1, the default: the above): S >= 3 a ring
+  // of S stages (tile t + S - 2 in flight) on every dense mma.sync launch at
+  // up to two n8 tiles, 0 none. gemm.py sizes the stages by
+  // _jit.gemm_mma_a_stages (set _jit.GEMM_MMA_A_RING the same).
 #ifndef KBIT_A_RING
-#define KBIT_A_RING 0
+#define KBIT_A_RING -1
 #endif
-  constexpr bool kRing = KBIT_A_RING >= 3 && !WG && !GROUPED && M_TILES <= 2;  // (at 4 n8 tiles and two row tiles a warp k = 2 spilled)
-  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? gemm_wg_stages(M_TILES) : kRing ? KBIT_A_RING : 2;
-  constexpr int kRingLead = kRing ? KBIT_A_RING - 2 : 1;  // tiles of A in flight ahead of the one read
+  constexpr int kRingStages = KBIT_A_RING >= 0 ? KBIT_A_RING : K == 5 && WARPS == 16 ? 4 : 0;
+  // (at four n8 tiles and two row tiles a warp, k = 2 spilled)
+  constexpr bool kRing = kRingStages >= 3 && !WG && !GROUPED && M_TILES <= 2;
+  constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? gemm_wg_stages(M_TILES) : kRing ? kRingStages : 2;
+  constexpr int kRingLead = kRing ? kRingStages - 2 : 1;  // tiles of A in flight ahead of the one read
   // WG with two stages (more than 16 n8 tiles below slab staging: the grouped
   // launch's 144- and 160-row problems, whose three stages would not fit):
   // a tile's copies wait for every multiply of the previous tile (see tile()).

@@ -1253,6 +1253,30 @@ def test_a_copy_warps_against_its_runs():
     assert all(gains[K_dim, N, 16, 5] >= 1.015 for K_dim, N in layers), gains
 
 
+def test_a_ring_against_its_run():
+    # gemm_mma.cu's ring of A's stages (KBIT_A_RING), the default on k = 5's
+    # 16-warp launch only, against two stages and a barrier a K tile, in one
+    # process on the H200 (kernel auto, fp16): k = 5 at 1..8 rows on the four
+    # large layers at least 1% faster with four stages, three of them at least
+    # 2%, the same bits there; k = 4 on 4096x6144 and k = 3 on the large layers
+    # slower, hence not theirs. The host sizes what the kernel reads.
+    from kbit_cupy import _jit
+
+    points = {}
+    for K_dim, N, M, k, _, ratio, tail in _define_ab_points(
+            "define_ab_h200_a_ring_auto_8278b35.txt", r"\d", "KBIT_A_RING=4,_jit.GEMM_MMA_A_RING=4"):
+        points[K_dim, N, M, k] = ratio, "DIFFERENT" in tail
+    large = [(8192, 57344), (28672, 8192), (4096, 28672), (14336, 4096)]
+    k5 = [points[layer + (M, 5)] for layer in large for M in (1, 2, 4, 8)]
+    assert not any(diff for _, diff in k5) and min(r for r, _ in k5) >= 1.0, k5
+    assert sum(min(points[layer + (M, 5)][0] for M in (1, 2, 4, 8)) >= 1.02 for layer in large) >= 3
+    assert max(points[4096, 6144, M, 4][0] for M in (1, 2, 4, 8)) < 0.95
+    assert max(points[8192, 57344, M, 3][0] for M in (1, 2, 4, 8)) < 0.95
+    assert _jit.GEMM_MMA_A_RING == -1
+    assert [_jit.gemm_mma_a_stages(5, t, 16) for t in (1, 2, 4)] == [4, 4, 2]
+    assert {_jit.gemm_mma_a_stages(k, t, w) for k in (2, 3, 4, 5) for t in (1, 2) for w in (4, 8)} == {2}
+
+
 def test_k4_wide_underfill_charge(monkeypatch):
     # k = 4's 8-warp launch on a GPU of 4 TB/s or more (gemm._underfill_charge):
     # 11008x4096 (32 groups of 43 K tiles, two CTAs an SM on 132 SMs) splits K

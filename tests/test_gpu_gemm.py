@@ -702,6 +702,48 @@ def test_a_copied_by_four_warps_same_bits(monkeypatch, dtype):
 
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_ring_same_bits(monkeypatch, dtype, split):
+    """A's K tiles in a ring of mbarrier-handed stages (gemm_mma.cu
+    KBIT_A_RING): k = 5's 16-warp launch by default, over row counts that
+    leave copying warps idle (1, 3, 7, 13), a short last group, one K tile
+    (K_dim = 256) and CTAs that run across groups (stream-K) or stop inside one
+    (split K): close to the reference, every element written, and the same bits
+    as two stages and a barrier a tile (-DKBIT_A_RING=0). Then the ring forced
+    (3 and 4 stages) on the 4- and 8-warp launches of k = 2..4: close to the
+    reference, every element written, the same bits twice."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, gemm
+
+    needs_kernel("wgmma")  # the 16-warp launch is taken on sm_90 only
+    monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)  # k = 5's 16 warps at one n8 tile
+    cases = [(1, 40, 8192), (3, 16400, 256), (7, 1040, 8448), (13, 16400, 512), (16, 40, 16384)]
+    for M, N, K_dim in cases:
+        assert gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16, (M, N, K_dim)
+        assert _jit.gemm_mma_a_stages(5, 1 if M <= 8 else 2, 16) == 4
+    results = [run_case(M, N, K_dim, 5, dtype, "mma", seed=M)[2] for M, N, K_dim in cases]
+    options = _jit.compile_options
+    monkeypatch.setattr(_jit, "compile_options", lambda: (*options(), "-DKBIT_A_RING=0"))
+    monkeypatch.setattr(_jit, "GEMM_MMA_A_RING", 0)
+    monkeypatch.setattr(_jit, "_kernels", {})
+    for (M, N, K_dim), C in zip(cases, results):
+        assert _jit.gemm_mma_a_stages(5, 1 if M <= 8 else 2, 16) == 2
+        again = run_case(M, N, K_dim, 5, dtype, "mma", seed=M)[2]
+        assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+    for stages in (3, 4):
+        monkeypatch.setattr(_jit, "compile_options", lambda s=stages: (*options(), f"-DKBIT_A_RING={s}"))
+        monkeypatch.setattr(_jit, "GEMM_MMA_A_RING", stages)
+        monkeypatch.setattr(_jit, "_kernels", {})
+        for k, M, N, K_dim in [(4, 5, 16400, 512), (4, 1, 1040, 8448), (2, 6, 1040, 8448),
+                               (3, 13, 2064, 4096), (4, 16, 40, 8192)]:
+            w, A, C = run_case(M, N, K_dim, k, dtype, "mma", seed=M + stages)
+            again = kbit_gemm(cp.asarray(A), w, kernel="mma")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (stages, k, M, N, K_dim)
+
+
+@pytest.mark.parametrize("split", ["stream-k", "split-k"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sixteen_warp_k5_launch(monkeypatch, dtype, split):
     """k = 5, E4M4, M <= 16 on a large layer: 16 warps per CTA and the 128 KB
     pair table (gemm.py _mma_warps, _K5_TABLE) at one n8 tile (taken at 4 TB/s
