@@ -60,6 +60,8 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh a-ring  # A's stages in an mbarrier ring: A/B, odd shapes (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh a-ring-auto  # the ring under kernel auto, k = 2..5 (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring-check  # k = 5's ring by default: tests, sanitizers, A/B (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring-h100  # (the H100) k = 5's ring against two stages (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring-k4  # k = 4's ring variant A/B; the ring's depth on k = 5 (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -551,7 +553,27 @@ case "${1:-}" in
         --define KBIT_A_RING=0,_jit.GEMM_MMA_A_RING=0 --dtype $dt \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 4096x4096 --m 1 4 8 16 --k 5
     done ;;
-  grouped-copy-warps)  # the mma.sync grouped launch's copies of A by four warps (KBIT_GROUPED_COPY_WARPS=4) against every warp
+  ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows
+    warm "" gemm_mma gemm_latency gemm_lut
+    warm KBIT_A_RING=0 gemm_mma
+    for kern in auto mma; do
+      run 200 define_ab_${tag}_a_ring_off_${kern}_${commit}.txt python benchmarks/define_ab.py \
+        --define KBIT_A_RING=0,_jit.GEMM_MMA_A_RING=0 --kernel $kern \
+        --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 12 16 --k 5
+    done ;;
+  ring-k4)  # k = 4's 8-warp ring variant (gemm._K4_RING_MAX_M, off) at up to 2 and 4 rows against two stages; the ring's depth on k = 5 (3, 5, 6 stages against 4)
+    warm "" gemm_mma gemm_latency gemm_lut
+    for dt in float16 bfloat16; do
+      run 150 define_ab_${tag}_k4_ring_${commit}_${dt}.txt python benchmarks/define_ab.py \
+        --define gemm._K4_RING_MAX_M=2 --define gemm._K4_RING_MAX_M=4 --dtype $dt \
+        --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 8192x2048 --m 1 2 4 8 --k 4
+    done
+    for s in 3 5 6; do warm KBIT_A_RING=$s gemm_mma; done
+    run 200 define_ab_${tag}_ring_depth_${commit}.txt python benchmarks/define_ab.py \
+      --define KBIT_A_RING=3,_jit.GEMM_MMA_A_RING=3 --define KBIT_A_RING=5,_jit.GEMM_MMA_A_RING=5 \
+      --define KBIT_A_RING=6,_jit.GEMM_MMA_A_RING=6 \
+      --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 --k 5 ;;
+  grouped-copy-warps)  # (run at 0740044: lost 1.9-2.9%; the knob is removed since) the mma.sync grouped launch's copies of A by four warps (KBIT_GROUPED_COPY_WARPS=4) against every warp
     warm "" gemm_mma gemm_latency moe_route
     for cfg in "512 10 2048x512" "128 8 2048x1536" "128 8 768x2048"; do
       set -- $cfg

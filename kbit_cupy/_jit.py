@@ -107,6 +107,9 @@ def all_variants() -> list[Variant]:
                         # 8 warps per CTA (gemm.py _mma_warps; k = 2 also two row tiles a warp)
                         for rpw in (1, 2) if k == 2 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8)))
+                    if k == 4 and scale == "uint8":  # the same with a ring of A's stages (gemm._mma_ring)
+                        out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8, False,
+                                                        GEMM_MMA_RING_STAGES)))
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
@@ -229,13 +232,18 @@ GEMM_LATENCY_KSPLIT = 1
 # of 4 stages on k = 5's 16-warp launch; A/B runs set both, -DKBIT_A_RING=S
 # and this (0: two stages everywhere; S >= 3: a ring of S at up to two n8 tiles)
 GEMM_MMA_A_RING = -1
+# the stages of the ring variant gemm._mma_ring asks for (its RING template argument)
+GEMM_MMA_RING_STAGES = 4
 
 
-def gemm_mma_a_stages(k: int, m_tiles: int, warps: int) -> int:
+def gemm_mma_a_stages(k: int, m_tiles: int, warps: int, ring: int = 0) -> int:
     """Stages of A's K tiles that the dense (not grouped) mma.sync launch of
     gemm_mma.cu keeps in shared memory (its kStages; the kernel traps if the
-    launch gives it fewer)."""
-    ring = GEMM_MMA_A_RING if GEMM_MMA_A_RING >= 0 else (4 if k == 5 and warps == 16 else 0)
+    launch gives it fewer); ``ring``: the variant's RING template argument."""
+    if GEMM_MMA_A_RING >= 0:
+        ring = GEMM_MMA_A_RING
+    elif not ring:
+        ring = 4 if k == 5 and warps == 16 else 0
     return ring if ring >= 3 and m_tiles <= 2 else 2
 # the bit widths whose MoE few-pair launch takes half K tiles (experts._MOE_LATENCY_KSPLIT)
 MOE_LATENCY_KSPLIT_KS = (4,)
@@ -283,8 +291,8 @@ CB_FOLD_KS = (2, 5)  # the bit widths gemm._cb_fold may fold (k = 2: latency and
 
 
 # The template arguments with defaults, from the first (gemm_latency: CLUSTER,
-# FOLD, KSPLIT; gemm_mma: WG, GROUPED, WARPS, FOLD), and FOLD's position
-_DEFAULT_ARGS = {"gemm_latency": (4, (False, False, 1), 5), "gemm_mma": (5, (0, False, 4, False), 8)}
+# FOLD, KSPLIT; gemm_mma: WG, GROUPED, WARPS, FOLD, RING), and FOLD's position
+_DEFAULT_ARGS = {"gemm_latency": (4, (False, False, 1), 5), "gemm_mma": (5, (0, False, 4, False, 0), 8)}
 
 
 def cb_fold_variant(family: str, args: tuple) -> tuple | None:
@@ -302,7 +310,7 @@ def cb_fold_variant(family: str, args: tuple) -> tuple | None:
         return None
     if family == "gemm_latency" and (k != 2 or full[4]):  # (k = 5: mma only; not the cluster split)
         return None
-    if family == "gemm_mma" and (full[5] != 0 or full[6]):  # mma.sync, not grouped
+    if family == "gemm_mma" and (full[5] != 0 or full[6] or full[9]):  # mma.sync, not grouped, no ring
         return None
     full[fold_at] = True
     while len(full) > fold_at + 1 and full[-1] == defaults[len(full) - 1 - first]:
@@ -388,10 +396,11 @@ def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 def needs_sm90a(family: str, args: tuple) -> bool:
     """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu,
-    the cluster split of gemm_latency.cu)."""
+    its ring variant of k = 4's 8-warp launch, which gemm._mma_warps takes on
+    sm_90 only, the cluster split of gemm_latency.cu)."""
     if family == "gemm_latency":
         return len(args) >= 5 and bool(args[4])
-    return family == "gemm_mma" and len(args) >= 6 and args[5] > 0
+    return family == "gemm_mma" and ((len(args) >= 6 and args[5] > 0) or (len(args) >= 10 and args[9] > 0))
 
 
 def variants_for(arch: str) -> list[Variant]:

@@ -1306,6 +1306,28 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
     return s * per, groups * s, s
 
 
+# k = 4's 8-warp mma launch with A's K tiles in a ring of mbarrier-handed
+# stages (gemm_mma.cu RING, _jit.GEMM_MMA_RING_STAGES) at up to this many rows
+# (0: never, the default until measured). H200, kernel auto, in one process
+# against two stages (the ring on every launch, results/define_ab_h200_a_ring_auto_8278b35.txt):
+# 1.019-1.037x at 1..2 rows on the four large layers (7..54 K tiles a CTA),
+# 0.98-0.99x at 8 rows, 0.92x on 4096x6144 (3 a CTA).
+_K4_RING_MAX_M = 0
+# ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
+_RING_MIN_TILES_PER_CTA = 6
+
+
+def _mma_ring(k: int, scale_dtype, M: int, warps: int, per_warp: int, units: int) -> int:
+    """The RING template argument of the dense mma.sync launch (0: none; k =
+    5's 16-warp launch has its ring without it): k = 4's 8-warp launch at up
+    to _K4_RING_MAX_M rows with ``units`` (groups x K tiles) of at least
+    _RING_MIN_TILES_PER_CTA per CTA at two CTAs an SM."""
+    if (k == 4 and warps == 8 and per_warp == 1 and np.dtype(scale_dtype) == np.uint8
+            and M <= _K4_RING_MAX_M and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()):
+        return _jit.GEMM_MMA_RING_STAGES
+    return 0
+
+
 def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: int) -> int:
     """Warps per CTA of the dense mma.sync launch: 8 (two CTAs per SM, one pair
     table for 8 warps) for k = 4 with E4M4 scales at one n8 tile on the large
@@ -1555,6 +1577,10 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
                 *((0, False, warps) if warps != 4 else ()))
         if _cb_fold(weight, dtype, "mma", m_tiles):
             args = _jit.cb_fold_variant("gemm_mma", args) or args
+        ring = _mma_ring(weight.k, weight.absmax.dtype, M, warps, per_warp,
+                         math.ceil(rt_n / (warps * per_warp)) * kt_n)
+        if ring:
+            args = (*args, False, ring)
         kern = _jit.get_kernel("gemm_mma", *args)
     # mma: two stages of a K tile's activations (four in k = 5's ring); wgmma: three, or a ring of
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its
@@ -1563,7 +1589,8 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         shared = _jit.gemm_wg_shared_bytes(m_tiles, wgs, dtype.itemsize)
         shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, wgs, False, 4)
     else:
-        shared = _jit.gemm_mma_a_stages(weight.k, m_tiles, warps) * m_tiles * 8 * K_PER_TILE * dtype.itemsize
+        shared = (_jit.gemm_mma_a_stages(weight.k, m_tiles, warps, ring)
+                  * m_tiles * 8 * K_PER_TILE * dtype.itemsize)
         shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, 0, False, warps)
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps

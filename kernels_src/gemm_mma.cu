@@ -455,7 +455,7 @@ __device__ KBIT_PLACE_QUALIFIER void place_routed_rows(const int* route_id, int*
 // computed (cb_bits, mma_common.cuh; the same bits); the host asks for it
 // only for codebooks whose entries times the factor stay finite (gemm._cb_fold).
 template <int K, typename T, typename TScale, int M_TILES, int RPW, int WG = 0,
-          bool GROUPED = false, int WARPS = 4, bool FOLD = false>
+          bool GROUPED = false, int WARPS = 4, bool FOLD = false, int RING = 0>
 __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) : 32 * WARPS,
                                   kLaunchMinCtas<K, sizeof(TScale), M_TILES, RPW, WG, GROUPED, WARPS>)
     kbit_gemm_mma(
@@ -558,6 +558,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // 2-4% at 1..2 rows on the large layers but lost 1-2% at 8 and 7-8% on
   // 4096x6144; k = 2 and 3 lost up to 8% and 14% (their tables and the
   // extra stages leave fewer CTAs an SM).
+  // The template argument RING = S >= 3 asks for a ring of S stages where
+  // the host wants one (gemm._mma_ring: k = 4's 8-warp launch at few rows on
+  // layers of many K tiles a CTA, behind an A/B knob, off).
   // KBIT_A_RING = S (an A/B knob; -1, the default: the above): S >= 3 a ring
   // of S stages (tile t + S - 2 in flight) on every dense mma.sync launch at
   // up to two n8 tiles, 0 none. gemm.py sizes the stages by
@@ -565,7 +568,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #ifndef KBIT_A_RING
 #define KBIT_A_RING -1
 #endif
-  constexpr int kRingStages = KBIT_A_RING >= 0 ? KBIT_A_RING : K == 5 && WARPS == 16 ? 4 : 0;
+  constexpr int kRingStages = KBIT_A_RING >= 0 ? KBIT_A_RING : RING ? RING : K == 5 && WARPS == 16 ? 4 : 0;
   // (at four n8 tiles and two row tiles a warp, k = 2 spilled)
   constexpr bool kRing = kRingStages >= 3 && !WG && !GROUPED && M_TILES <= 2;
   constexpr int kStages = kSlab ? gemm_slab_ring(M_TILES, WG) : WG ? gemm_wg_stages(M_TILES) : kRing ? kRingStages : 2;
@@ -900,7 +903,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // old form), in the 8-warp mma launch at one n8 tile, the launches of more
   // than four warps at two n8 tiles and the Hopper path's four warpgroups;
   // not k = 5's 16-warp launch at one n8 tile (below), not the grouped
-  // launches (KBIT_GROUPED_COPY_WARPS). With every warp of an 8-warp CTA
+  // launches (see kRowsPerThread). With every warp of an 8-warp CTA
   // copying one row at 8 rows, k = 4 took 6-7% more time than at 4 rows on
   // the large layers (H200), the same as copying only 4 of the 8 rows (a
   // probe, KBIT_PROBE_A_ROWS):
@@ -915,30 +918,23 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #ifndef KBIT_A_COPY_WARPS
 #define KBIT_A_COPY_WARPS 4
 #endif
-  // Grouped: this thread's staged rows t / 32 + (kThreads / 32) i of the problem whose rows
-  // start at sorted row src_key0 (src_key1 of them), as rows of A (-1: past
-  // the problem), resolved when the problem changes, not per K tile: with
-  // row_ids each lookup is a dependent load (and a division) ahead of the
-  // tile's copies, which measured 16-25% of the grouped launch's time at
-  // 1024-4096 rows on the H100 (moe_linear against kbit_grouped_gemm).
-  // KBIT_GROUPED_COPY_WARPS=n (an A/B knob; 0, the default: every warp): the
-  // mma.sync grouped launches' copies at up to two n8 tiles by the CTA's
-  // first n warps, as the dense launches' (KBIT_A_COPY_WARPS above). Built,
-  // not measured. (Not the Hopper path's: at n = 4 its k = 5 four-warpgroup
-  // variant at two n8 tiles spilled 20 bytes.)
-#ifndef KBIT_GROUPED_COPY_WARPS
-#define KBIT_GROUPED_COPY_WARPS 0
-#endif
   // The ring (KBIT_A_RING): the warps that copy in load_x's dense branches
   // below (each of their threads arrives on the stage's full barrier).
   constexpr int kRingCopyWarps =
       M_TILES > 1 ? (KBIT_A_COPY_WARPS && M_TILES <= 2 && KBIT_A_COPY_WARPS < kThreads / 32 ? KBIT_A_COPY_WARPS
                                                                                            : kThreads / 32)
                   : (WARPS == 8 && KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < 8 ? KBIT_A_COPY_WARPS : WARPS);
-  constexpr bool kFewGroupedCopiers =
-      GROUPED && !WG && KBIT_GROUPED_COPY_WARPS && M_TILES <= 2 && KBIT_GROUPED_COPY_WARPS < kThreads / 32;
-  constexpr int kGroupedCopyWarps = kFewGroupedCopiers ? KBIT_GROUPED_COPY_WARPS : kThreads / 32;
-  constexpr int kRowsPerThread = GROUPED ? (8 * M_TILES + kGroupedCopyWarps - 1) / kGroupedCopyWarps : 1;
+  // Grouped: this thread's staged rows t / 32 + (kThreads / 32) i of the problem whose rows
+  // start at sorted row src_key0 (src_key1 of them), as rows of A (-1: past
+  // the problem), resolved when the problem changes, not per K tile: with
+  // row_ids each lookup is a dependent load (and a division) ahead of the
+  // tile's copies, which measured 16-25% of the grouped launch's time at
+  // 1024-4096 rows on the H100 (moe_linear against kbit_grouped_gemm).
+  // (Every warp copies: the mma.sync grouped launches' copies by the first
+  // four warps, as the dense launches', took 1.9-2.9% more time at T = 8 and
+  // 32 on three MoE configs, H200,
+  // results/moe_gap_probe_h200_grouped_copy_warps_*_0740044.txt.)
+  constexpr int kRowsPerThread = GROUPED ? (8 * M_TILES + kThreads / 32 - 1) / (kThreads / 32) : 1;
   int src_row[kRowsPerThread];
   int src_key0 = -1, src_key1 = -1;
   auto load_x = [&](int kt_l, int buf, int from_row0, int from_rows) {
@@ -946,18 +942,12 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       // All 8 * M_TILES staged rows; row r of the problem is row
       // a_row(from_row0 + r) of A, those past from_rows zero-filled.
       // Thread t copies chunk t % 32 of rows t / 32, t / 32 + kThreads / 32, ...
-      // (kGroupedCopyWarps in place of kThreads / 32, and only its warps, with
-      // the knob above)
-      if (kFewGroupedCopiers && (threadIdx.x >> 5) >= kGroupedCopyWarps) {  // (warp-uniform)
-        asm volatile("cp.async.commit_group;\n" ::);  // (an empty group: every warp's count the same)
-        return;
-      }
       if (from_row0 != src_key0 || from_rows != src_key1) {
         src_key0 = from_row0;
         src_key1 = from_rows;
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-          const int row = (threadIdx.x >> 5) + i * kGroupedCopyWarps;
+          const int row = (threadIdx.x >> 5) + i * (kThreads / 32);
           src_row[i] = row < from_rows ? a_row(from_row0 + row) : -1;
         }
       }
@@ -968,8 +958,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const bool col_ok = col < K_dim;
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
-        const int row = (threadIdx.x >> 5) + i * kGroupedCopyWarps;
-        if (8 * M_TILES % kGroupedCopyWarps != 0 && row >= 8 * M_TILES) break;  // (warp-uniform)
+        const int row = (threadIdx.x >> 5) + i * (kThreads / 32);
+        if (8 * M_TILES % (kThreads / 32) != 0 && row >= 8 * M_TILES) break;  // (warp-uniform)
         const bool valid = col_ok && src_row[i] >= 0;
         const T* src = valid ? A + (long long)src_row[i] * K_dim + col : A;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import threading
 from pathlib import Path
@@ -1275,6 +1276,37 @@ def test_a_ring_against_its_run():
     assert _jit.GEMM_MMA_A_RING == -1
     assert [_jit.gemm_mma_a_stages(5, t, 16) for t in (1, 2, 4)] == [4, 4, 2]
     assert {_jit.gemm_mma_a_stages(k, t, w) for k in (2, 3, 4, 5) for t in (1, 2) for w in (4, 8)} == {2}
+    assert _jit.gemm_mma_a_stages(4, 1, 8, _jit.GEMM_MMA_RING_STAGES) == _jit.GEMM_MMA_RING_STAGES
+
+
+def test_k4_ring_variant(monkeypatch):
+    # gemm._mma_ring: k = 4's 8-warp launch takes its ring variant only under
+    # the knob (off by default), at up to _K4_RING_MAX_M rows, E4M4 scales, one
+    # row tile a warp, with enough K tiles a CTA: 8192x57344 and 14336x4096
+    # yes, 4096x6144 (about 3 a CTA on 132 SMs) no. The variant is sm_90a's
+    # (the 8-warp launch is sm_90's), compiled by the check, never folded.
+    from kbit_cupy import _jit, gemm
+
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+
+    def units(N, K_dim):
+        return math.ceil(math.ceil(N / 16) / 8) * math.ceil(K_dim / 256)
+
+    assert gemm._K4_RING_MAX_M == 0
+    assert gemm._mma_ring(4, np.uint8, 1, 8, 1, units(57344, 8192)) == 0
+    monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
+    for N, K_dim, want in [(57344, 8192, 4), (4096, 14336, 4), (28672, 4096, 4), (6144, 4096, 0)]:
+        for M in (1, 2):
+            assert gemm._mma_ring(4, np.uint8, M, 8, 1, units(N, K_dim)) == want, (N, K_dim, M)
+        assert gemm._mma_ring(4, np.uint8, 3, 8, 1, units(N, K_dim)) == 0
+    big = units(57344, 8192)
+    assert gemm._mma_ring(4, np.float16, 1, 8, 1, big) == 0  # fp16 scales: 4 warps
+    assert gemm._mma_ring(4, np.uint8, 1, 4, 1, big) == 0
+    assert gemm._mma_ring(2, np.uint8, 1, 8, 1, big) == 0
+    ring = [v.args for v in _jit.all_variants() if v.family == "gemm_mma" and len(v.args) >= 10]
+    assert ring == [(4, dt, "uint8", 1, 1, 0, False, 8, False, _jit.GEMM_MMA_RING_STAGES)
+                    for dt in ("float16", "bfloat16")]
+    assert all(_jit.needs_sm90a("gemm_mma", a) and _jit.cb_fold_variant("gemm_mma", a) is None for a in ring)
 
 
 def test_k4_wide_underfill_charge(monkeypatch):
