@@ -1258,9 +1258,10 @@ def test_a_ring_against_its_run():
     # gemm_mma.cu's ring of A's stages (KBIT_A_RING), the default on k = 5's
     # 16-warp launch only, against two stages and a barrier a K tile, in one
     # process on the H200 (kernel auto, fp16): k = 5 at 1..8 rows on the four
-    # large layers at least 1% faster with four stages, three of them at least
-    # 2%, the same bits there; k = 4 on 4096x6144 and k = 3 on the large layers
-    # slower, hence not theirs. The host sizes what the kernel reads.
+    # large layers never slower with four stages, on three of them at least 2%
+    # faster at every row count, the same bits there; k = 4 on 4096x6144 and
+    # k = 3 on the large layers 5% slower or more, hence not theirs. The host
+    # sizes what the kernel reads.
     from kbit_cupy import _jit
 
     points = {}
@@ -1282,8 +1283,8 @@ def test_a_ring_against_its_run():
 def test_k4_ring_variant(monkeypatch):
     # gemm._mma_ring: k = 4's 8-warp launch takes its ring variant only under
     # the knob (off by default), at up to _K4_RING_MAX_M rows, E4M4 scales, one
-    # row tile a warp, with enough K tiles a CTA: 8192x57344 and 14336x4096
-    # yes, 4096x6144 (about 3 a CTA on 132 SMs) no. The variant is sm_90a's
+    # row tile a warp, with enough K tiles a CTA: 8192x57344, 14336x4096 and
+    # 4096x28672 yes, 4096x6144 (about 3 a CTA on 132 SMs) no. The variant is sm_90a's
     # (the 8-warp launch is sm_90's), compiled by the check, never folded.
     from kbit_cupy import _jit, gemm
 
