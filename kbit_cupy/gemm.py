@@ -1311,7 +1311,7 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 # (0: never, the default until measured). H200, kernel auto, in one process
 # against two stages (the ring on every launch, results/define_ab_h200_a_ring_auto_8278b35.txt):
 # 1.019-1.037x at 1..2 rows on the four large layers (7..54 K tiles a CTA),
-# 0.98-0.99x at 8 rows, 0.92x on 4096x6144 (3 a CTA).
+# 0.98-1.00x at 8 rows, 0.92x on 4096x6144 (3 a CTA).
 _K4_RING_MAX_M = 0
 # ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
 _RING_MIN_TILES_PER_CTA = 6

@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // (results/define_ab_h200_a_ring_auto_8278b35.txt): k = 5 at 1..8 rows
   // 1.01-1.09x on 8192x57344, 28672x8192, 4096x28672 and 14336x4096,
   // 4096x4096 1.00-1.015x, 4096x6144 0.984-0.994x. Not elsewhere: k = 4 gained
-  // 2-4% at 1..2 rows on the large layers but lost 1-2% at 8 and 7-8% on
+  // 2-4% at 1..2 rows on the large layers but lost up to 2% at 8 and 7-8% on
   // 4096x6144; k = 2 and 3 lost up to 8% and 14% (their tables and the
   // extra stages leave fewer CTAs an SM).
   // The template argument RING = S >= 3 asks for a ring of S stages where
