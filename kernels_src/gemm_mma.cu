@@ -918,12 +918,15 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #ifndef KBIT_A_COPY_WARPS
 #define KBIT_A_COPY_WARPS 4
 #endif
-  // The ring (KBIT_A_RING): the warps that copy in load_x's dense branches
-  // below (each of their threads arrives on the stage's full barrier).
-  constexpr int kRingCopyWarps =
-      M_TILES > 1 ? (KBIT_A_COPY_WARPS && M_TILES <= 2 && KBIT_A_COPY_WARPS < kThreads / 32 ? KBIT_A_COPY_WARPS
-                                                                                           : kThreads / 32)
-                  : (WARPS == 8 && KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < 8 ? KBIT_A_COPY_WARPS : WARPS);
+  // The warps that copy in load_x's dense branches below: at two n8 tiles
+  // or more (and the Hopper path) kCopyWarps; at one, the 8-warp launch's
+  // first KBIT_A_COPY_WARPS (kFewCopiers1), else every warp. The ring
+  // (KBIT_A_RING): each thread of kRingCopyWarps arrives on the stage's full
+  // barrier.
+  constexpr bool kFewCopiers = KBIT_A_COPY_WARPS && M_TILES <= 2 && KBIT_A_COPY_WARPS < kThreads / 32;
+  constexpr int kCopyWarps = kFewCopiers ? KBIT_A_COPY_WARPS : kThreads / 32;
+  constexpr bool kFewCopiers1 = WARPS == 8 && KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < 8;
+  constexpr int kRingCopyWarps = M_TILES > 1 ? kCopyWarps : kFewCopiers1 ? KBIT_A_COPY_WARPS : WARPS;
   // Grouped: this thread's staged rows t / 32 + (kThreads / 32) i of the problem whose rows
   // start at sorted row src_key0 (src_key1 of them), as rows of A (-1: past
   // the problem), resolved when the problem changes, not per K tile: with
@@ -977,8 +980,6 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const T* src = A + (long long)(threadIdx.x >> 5) * K_dim + (bytes ? col : 0);
       const unsigned base =
           (unsigned)__cvta_generic_to_shared(x_stage + x_align + buf * kStageChunks);
-      constexpr bool kFewCopiers = KBIT_A_COPY_WARPS && M_TILES <= 2 && KBIT_A_COPY_WARPS < kThreads / 32;
-      constexpr int kCopyWarps = kFewCopiers ? KBIT_A_COPY_WARPS : kThreads / 32;
       // Unrolled on the wgmma path (up to 11 rows per thread), except k=5 at
       // 16 n8 tiles, which spills 16 bytes unrolled.
 #pragma unroll(WG && !(K == 5 && M_TILES == 16) ? 4 : 1)
@@ -996,9 +997,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
 #endif
       // (the 8-warp launch; k = 5's 16 warps lost 2-5% at 5..8 rows with four
       // copying, where every warp copying leaves eight of them at it)
-      constexpr bool kFewCopiers = WARPS == 8 && KBIT_A_COPY_WARPS && KBIT_A_COPY_WARPS < 8;
-      const int copiers = kFewCopiers ? 32 * KBIT_A_COPY_WARPS : (int)blockDim.x;
-      for (int i = threadIdx.x; i < rows * 32 && (!kFewCopiers || (int)threadIdx.x < copiers);
+      const int copiers = kFewCopiers1 ? 32 * KBIT_A_COPY_WARPS : (int)blockDim.x;
+      for (int i = threadIdx.x; i < rows * 32 && (!kFewCopiers1 || (int)threadIdx.x < copiers);
            i += copiers) {
         const int row = i >> 5, c = i & 31;
         const int col = kt_l * 256 + 8 * c;
