@@ -62,6 +62,8 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring-check  # k = 5's ring by default: tests, sanitizers, A/B (~9 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring-h100  # (the H100) k = 5's ring against two stages (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring-k4  # k = 4's ring variant A/B; the ring's depth on k = 5 (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k4-ring-check  # k = 4's ring by default: GPU tests, memcheck, racecheck (~7 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k4-ring-ncu    # ncu's stall samples at M = 1 with and without it (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -553,6 +555,23 @@ case "${1:-}" in
         --define KBIT_A_RING=0,_jit.GEMM_MMA_A_RING=0 --dtype $dt \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 4096x4096 --m 1 4 8 16 --k 5
     done ;;
+  k4-ring-check)  # k = 4's ring at 1..2 rows by default: its GPU tests, memcheck and racecheck; ncu's stall samples with and without it at M = 1
+    warm "" gemm_mma gemm_latency gemm_lut
+    run 200 gpu_tests_${tag}_k4_ring_${commit}.txt python -m pytest -q -x tests/test_gpu_gemm.py \
+      -k "a_ring or sixteen_warp or four_warps or eight_warp or lone_ctas"
+    run 120 sanitize_wide_mma_memcheck_${tag}_ring_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_wide_mma.py --ring
+    run 240 sanitize_wide_mma_racecheck_${tag}_ring_${commit}.txt compute-sanitizer --tool racecheck \
+      python benchmarks/sanitize_wide_mma.py --ring --quick ;;
+  k4-ring-ncu)  # per-instruction stall samples of k = 4's 8-warp launch at M = 1: the ring (the default) and two stages
+    for d in "" gemm._K4_RING_MAX_M=0; do
+      name=ncu_source_mma8_8192x57344_M1_k4_${d:+two_stage_}${tag}_${commit}
+      run 150 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-count 1 \
+        --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
+        python benchmarks/profile_gemm.py 8192 57344 1 4 mma ${d:+--define=$d}
+      "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+      run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
+    done ;;
   ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows
     warm "" gemm_mma gemm_latency gemm_lut
     warm KBIT_A_RING=0 gemm_mma
@@ -560,8 +579,11 @@ case "${1:-}" in
       run 200 define_ab_${tag}_a_ring_off_${kern}_${commit}.txt python benchmarks/define_ab.py \
         --define KBIT_A_RING=0,_jit.GEMM_MMA_A_RING=0 --kernel $kern \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 12 16 --k 5
-    done ;;
-  ring-k4)  # k = 4's 8-warp ring variant (gemm._K4_RING_MAX_M, off) at up to 2 and 4 rows against two stages; the ring's depth on k = 5 (3, 5, 6 stages against 4)
+    done
+    run 150 define_ab_${tag}_k4_ring_off_${commit}.txt python benchmarks/define_ab.py \
+      --define gemm._K4_RING_MAX_M=0 --define gemm._K4_RING_MAX_M=4 \
+      --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 2 4 --k 4 ;;
+  ring-k4)  # (run at 030d87c: up to 2 rows taken) k = 4's 8-warp ring variant (gemm._K4_RING_MAX_M) at up to 2 and 4 rows against two stages; the ring's depth on k = 5 (3, 5, 6 stages against 4)
     warm "" gemm_mma gemm_latency gemm_lut
     for dt in float16 bfloat16; do
       run 150 define_ab_${tag}_k4_ring_${commit}_${dt}.txt python benchmarks/define_ab.py \
@@ -580,5 +602,5 @@ case "${1:-}" in
       run 150 moe_gap_probe_${tag}_grouped_copy_warps_e$1_$3_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts $1 --top-k $2 --shape $3 --t 8 32 --ab KBIT_GROUPED_COPY_WARPS=4
     done ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|copy-warps-h100|copy-warps-ncu|grouped-copy-warps|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|copy-warps-h100|copy-warps-ncu|grouped-copy-warps|ring-check|ring-h100|ring-k4|k4-ring-check|k4-ring-ncu|memcheck|racecheck" >&2; exit 2 ;;
 esac

@@ -1,7 +1,8 @@
 """The 8-warp mma launch (gemm._mma_warps) for compute-sanitizer (device only).
 
-usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick] [--k5]
-The 8-warp launch at M <= 8: k = 4, and k = 2 where _jit.GEMM_K2_QUAD_TABLE
+usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick] [--k5] [--ring]
+The 8-warp launch at M <= 8: k = 4 (with its ring of A's stages at 1..2
+rows, gemm._mma_ring), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 (K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
 (gemm._K5_TABLE) at M <= 16; the Hopper path's four-warpgroup launch at 6..16
 rows. E4M4, large-layer shapes (one short group,
@@ -9,6 +10,7 @@ several), both work splits, fp16 and bf16; each result checked finite
 (poisoned output).
 """
 
+import math
 import sys
 
 import cupy as cp
@@ -25,19 +27,28 @@ cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
          for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (6, 16400, 256),
                              (7, 1040, 8448), (4, wide_n, 8192)]
          if gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8]
+# k = 4's ring variant (gemm._mma_ring: 1..2 rows, enough K tiles a CTA)
+cases += [(4, M, 16400, 4096) for M in (1, 2)
+          if gemm._mma_warps(4, np.uint8, 1, 1, 16400, 4096) == 8
+          and gemm._mma_ring(4, np.uint8, M, 8, 1, math.ceil(16400 / 16 / 8) * (4096 // 256))
+          == _jit.GEMM_MMA_RING_STAGES]
 # k = 5: 16 warps and the 128 KB pair table at one and two n8 tiles (one: a
 # GPU of 4 TB/s or more, taken as that here)
 gemm._device_tbps = lambda: 4.8
 cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (9, 16400, 256),
                                                (13, 16400, 256), (16, 40, 16384)]
           if gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16]
-# --quick (racecheck: the whole run passes 280 s): 5 rows and more, split K, fp16
+k5_only = "--k5" in sys.argv[1:]  # the 16-warp k = 5 launch alone (its ring of A's stages)
+ring_only = "--ring" in sys.argv[1:]  # the launches with a ring: k = 5's and k = 4's at 1..2 rows
+# --quick (racecheck: the whole run passes 280 s): 5 rows and more (with
+# --ring also k = 4's ring at 1..2), split K, fp16
 quick = "--quick" in sys.argv[1:]
 if quick:
-    cases = [c for c in cases if c[1] >= 5]
-k5_only = "--k5" in sys.argv[1:]  # the 16-warp k = 5 launch alone (its ring of A's stages)
+    cases = [c for c in cases if c[1] >= 5 or (ring_only and c[0] == 4)]
 if k5_only:
     cases = [c for c in cases if c[0] == 5]
+if ring_only:
+    cases = [c for c in cases if c[0] == 5 or c[2:] == (16400, 4096)]
 for slack in (10**6,) if quick else (10**6, -10**6):  # split K, stream-K
     gemm._STREAM_K_SLACK = slack
     for k, M, N, K_dim in cases:
@@ -50,7 +61,7 @@ for slack in (10**6,) if quick else (10**6, -10**6):  # split K, stream-K
             count += 1
 # The Hopper path's four-warpgroup launch at 5..16 rows (its first four warps
 # copy A: gemm_mma.cu's KBIT_A_COPY_WARPS); not with --k5
-for k, M in [] if k5_only else [(4, 6), (2, 12), (4, 16)]:
+for k, M in [] if k5_only or ring_only else [(4, 6), (2, 12), (4, 16)]:
     w = kc.quantize_weight(rng.standard_normal((wide_n, 8192)).astype(np.float32), k=k).to_device()
     for dtype in (np.float16,) if quick else (np.float16, BFLOAT16):
         A = cp.asarray(rng.standard_normal((M, 8192)).astype(np.float32)).astype(dtype)
@@ -59,5 +70,5 @@ for k, M in [] if k5_only else [(4, 6), (2, 12), (4, 16)]:
         assert bool(cp.isfinite(C.astype(cp.float32)).all())
         count += 1
 cp.cuda.Device().synchronize()
-assert {k for k, *_ in cases} >= ({5} if k5_only else {2, 4} if _jit.GEMM_K2_QUAD_TABLE else {4}), cases
+assert {k for k, *_ in cases} >= ({5} if k5_only else {4, 5} if ring_only else {2, 4} if _jit.GEMM_K2_QUAD_TABLE else {4}), cases
 print(f"ran {count} cases")

@@ -1308,11 +1308,15 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 
 # k = 4's 8-warp mma launch with A's K tiles in a ring of mbarrier-handed
 # stages (gemm_mma.cu RING, _jit.GEMM_MMA_RING_STAGES) at up to this many rows
-# (0: never, the default until measured). H200, kernel auto, in one process
-# against two stages (the ring on every launch, results/define_ab_h200_a_ring_auto_8278b35.txt):
-# 1.019-1.037x at 1..2 rows on the four large layers (7..54 K tiles a CTA),
-# 0.98-1.00x at 8 rows, 0.92x on 4096x6144 (3 a CTA).
-_K4_RING_MAX_M = 0
+# (0: never). H200, kernel auto, fp16 and bf16, in one process against two
+# stages, the same bits (results/define_ab_h200_k4_ring_030d87c_*.txt): at 1..2
+# rows 8192x57344 1.022-1.036x, 28672x8192 1.021-1.037x, 14336x4096
+# 1.022-1.032x, 4096x28672 1.006-1.015x; up to 4 rows adds 1.0-1.6% at 4 rows
+# on the two largest but loses 0.7% on 4096x28672: 2. Layers with fewer K tiles
+# a CTA (_RING_MIN_TILES_PER_CTA; 4096x6144, 8192x2048) keep two stages (the
+# ring on every launch lost 8% on 4096x6144: define_ab_h200_a_ring_auto_8278b35.txt).
+# Not measured on the H100 (benchmarks/knob_first_run.sh ring-h100).
+_K4_RING_MAX_M = 2
 # ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
 _RING_MIN_TILES_PER_CTA = 6
 

@@ -1281,8 +1281,8 @@ def test_a_ring_against_its_run():
 
 
 def test_k4_ring_variant(monkeypatch):
-    # gemm._mma_ring: k = 4's 8-warp launch takes its ring variant only under
-    # the knob (off by default), at up to _K4_RING_MAX_M rows, E4M4 scales, one
+    # gemm._mma_ring: k = 4's 8-warp launch takes its ring variant at up to
+    # _K4_RING_MAX_M rows (2; 0 turns it off), E4M4 scales, one
     # row tile a warp, with enough K tiles a CTA: 8192x57344, 14336x4096 and
     # 4096x28672 yes, 4096x6144 (about 3 a CTA on 132 SMs) no. The variant is sm_90a's
     # (the 8-warp launch is sm_90's), compiled by the check, never folded.
@@ -1293,9 +1293,7 @@ def test_k4_ring_variant(monkeypatch):
     def units(N, K_dim):
         return math.ceil(math.ceil(N / 16) / 8) * math.ceil(K_dim / 256)
 
-    assert gemm._K4_RING_MAX_M == 0
-    assert gemm._mma_ring(4, np.uint8, 1, 8, 1, units(57344, 8192)) == 0
-    monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
+    assert gemm._K4_RING_MAX_M == 2
     for N, K_dim, want in [(57344, 8192, 4), (4096, 14336, 4), (28672, 4096, 4), (6144, 4096, 0)]:
         for M in (1, 2):
             assert gemm._mma_ring(4, np.uint8, M, 8, 1, units(N, K_dim)) == want, (N, K_dim, M)
@@ -1308,6 +1306,8 @@ def test_k4_ring_variant(monkeypatch):
     assert ring == [(4, dt, "uint8", 1, 1, 0, False, 8, False, _jit.GEMM_MMA_RING_STAGES)
                     for dt in ("float16", "bfloat16")]
     assert all(_jit.needs_sm90a("gemm_mma", a) and _jit.cb_fold_variant("gemm_mma", a) is None for a in ring)
+    monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 0)
+    assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0
 
 
 def test_k4_wide_underfill_charge(monkeypatch):

@@ -709,8 +709,8 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
     (K_dim = 256) and CTAs that run across groups (stream-K) or stop inside one
     (split K): close to the reference, every element written, and the same bits
     as two stages and a barrier a tile (-DKBIT_A_RING=0). k = 4's 8-warp ring
-    variant (gemm._mma_ring, an A/B knob) at 1 and 2 rows: the same bits as
-    without. Then the ring forced (3 and 4 stages) on the 4- and 8-warp
+    variant (gemm._mma_ring, taken at up to 2 rows) at 1 and 2 rows: the same
+    bits as without (gemm._K4_RING_MAX_M = 0). Then the ring forced (3 and 4 stages) on the 4- and 8-warp
     launches of k = 2..4: close to the reference, every element written, the
     same bits twice."""
     import cupy as cp
@@ -725,18 +725,18 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
         assert gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16, (M, N, K_dim)
         assert _jit.gemm_mma_a_stages(5, 1 if M <= 8 else 2, 16) == 4
     results = [run_case(M, N, K_dim, 5, dtype, "mma", seed=M)[2] for M, N, K_dim in cases]
-    # k = 4's 8-warp launch with its ring variant (gemm._mma_ring, off by
-    # default): the same bits as without (the same CTAs an SM, the same split)
+    # k = 4's 8-warp launch with its ring variant (gemm._mma_ring, taken at
+    # 1..2 rows): the same bits as without (the same CTAs an SM, the same split)
     for M, N, K_dim in [(1, 16400, 4096), (2, 16400, 4096)]:
         assert gemm._mma_warps(4, np.uint8, 1, 1, N, K_dim) == 8
         units = math.ceil(math.ceil(N / 16) / 8) * math.ceil(K_dim / 256)
-        assert gemm._mma_ring(4, np.uint8, M, 8, 1, units) == 0
-        C = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
-        monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
         assert gemm._mma_ring(4, np.uint8, M, 8, 1, units) == _jit.GEMM_MMA_RING_STAGES
         ring = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
-        assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
         monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 0)
+        assert gemm._mma_ring(4, np.uint8, M, 8, 1, units) == 0
+        C = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
+        assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
+        monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
     options = _jit.compile_options
     monkeypatch.setattr(_jit, "compile_options", lambda: (*options(), "-DKBIT_A_RING=0"))
     monkeypatch.setattr(_jit, "GEMM_MMA_A_RING", 0)
