@@ -94,6 +94,17 @@ run() {
   echo "== $(basename "$file") (rc $rc)"; tail -n 6 "$file"
   return "$rc"
 }
+# ncu_source NAME DEFINE ARGS...: ncu's per-instruction stall samples of the
+# one gemm_mma launch of profile_gemm.py ARGS (--define=DEFINE if given), as
+# $out/NAME.csv.gz and its summary
+ncu_source() {
+  local name=$1 d=$2; shift 2
+  run 150 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-count 1 \
+    --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
+    python benchmarks/profile_gemm.py "$@" ${d:+--define=$d}
+  "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
+  run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
+}
 # warm [DEFINE] FAMILY...: the kernel cache, with -DDEFINE if given (a marker
 # file skips a warm this machine has done for this commit: a step run again
 # after a kernel change on the same machine found the old marker and compiled
@@ -513,12 +524,7 @@ case "${1:-}" in
       --m 1 4 8 --k 4 2 --kernel mma ;;
   copy-warps-ncu)  # per-instruction stall samples of the 8-warp mma launch at 8 rows (k = 4): four copying warps and every warp
     for d in "" KBIT_A_COPY_WARPS=0; do
-      name=ncu_source_mma8_8192x57344_M8_k4_${d:+copy_all_}${tag}_${commit}
-      run 150 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-count 1 \
-        --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
-        python benchmarks/profile_gemm.py 8192 57344 8 4 mma ${d:+--define=$d}
-      "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
-      run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
+      ncu_source ncu_source_mma8_8192x57344_M8_k4_${d:+copy_all_}${tag}_${commit} "$d" 8192 57344 8 4 mma
     done ;;
   no-bar-probe)  # (a probe, wrong results) the dense mma.sync launches without their per-tile barrier: what the barrier's wait costs
     warm "" gemm_mma
@@ -565,12 +571,7 @@ case "${1:-}" in
       python benchmarks/sanitize_wide_mma.py --ring --quick ;;
   k4-ring-ncu)  # per-instruction stall samples of k = 4's 8-warp launch at M = 1: the ring (the default) and two stages
     for d in "" gemm._K4_RING_MAX_M=0; do
-      name=ncu_source_mma8_8192x57344_M1_k4_${d:+two_stage_}${tag}_${commit}
-      run 150 $name.txt "$NCU" --clock-control none --kernel-name regex:kbit_gemm_mma --launch-count 1 \
-        --section SourceCounters --section WarpStateStats -f -o "/tmp/$name" \
-        python benchmarks/profile_gemm.py 8192 57344 1 4 mma ${d:+--define=$d}
-      "$NCU" --import "/tmp/$name.ncu-rep" --page source --csv 2>&1 | gzip > "$out/$name.csv.gz"
-      run 30 ${name}_summary.txt python benchmarks/ncu_source_summary.py "$out/$name.csv.gz"
+      ncu_source ncu_source_mma8_8192x57344_M1_k4_${d:+two_stage_}${tag}_${commit} "$d" 8192 57344 1 4 mma
     done ;;
   ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows
     warm "" gemm_mma gemm_latency gemm_lut
