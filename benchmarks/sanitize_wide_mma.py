@@ -8,6 +8,14 @@ rows, gemm._mma_ring), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 rows. E4M4, large-layer shapes (one short group,
 several), both work splits, fp16 and bf16; each result checked finite
 (poisoned output).
+
+racecheck and the rings (--ring, and k = 5's launches where a CTA has more K
+tiles than stages): racecheck (2025.3) reports every refill of a stage as a
+WAR hazard against the reads before it, though the readers' mbarrier
+arrivals order them; it reports the same of a two-warp ring that is correct
+by the PTX memory model (benchmarks/racecheck_mbarrier_probe.py). Without
+--ring (--quick: 5 rows and more) no stage is refilled and racecheck checks
+the rest of each launch.
 """
 
 import math

@@ -710,9 +710,10 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
     (split K): close to the reference, every element written, and the same bits
     as two stages and a barrier a tile (-DKBIT_A_RING=0). k = 4's 8-warp ring
     variant (gemm._mma_ring, taken at up to 2 rows) at 1 and 2 rows: the same
-    bits as without (gemm._K4_RING_MAX_M = 0). Then the ring forced (3 and 4 stages) on the 4- and 8-warp
-    launches of k = 2..4: close to the reference, every element written, the
-    same bits twice."""
+    bits as without (gemm._K4_RING_MAX_M = 0); both rings, with their stages
+    refilled, the same bits over 16 repeats. Then the ring forced (3 and 4
+    stages) on the 4- and 8-warp launches of k = 2..4: close to the
+    reference, every element written, the same bits twice."""
     import cupy as cp
 
     from kbit_cupy import _jit, gemm
@@ -737,6 +738,17 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
         C = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
         assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
         monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
+    # Each stage refilled about twice a CTA (8 K tiles a CTA, 4 stages): the
+    # same bits over repeats. (racecheck cannot check the stages' hand-over:
+    # it reports the mbarrier-ordered refills as hazards,
+    # benchmarks/racecheck_mbarrier_probe.py.)
+    for k in (4, 5):
+        assert gemm._mma_warps(k, np.uint8, 1, 1, 16400, 4096) == (8 if k == 4 else 16)
+        w, A, C = run_case(1, 16400, 4096, k, dtype, "mma", seed=k)
+        A = cp.asarray(A)
+        for _ in range(16):
+            again = kbit_gemm(A, w, kernel="mma")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), k
     options = _jit.compile_options
     monkeypatch.setattr(_jit, "compile_options", lambda: (*options(), "-DKBIT_A_RING=0"))
     monkeypatch.setattr(_jit, "GEMM_MMA_A_RING", 0)
