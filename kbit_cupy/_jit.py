@@ -232,8 +232,12 @@ GEMM_LATENCY_KSPLIT = 1
 # of 4 stages on k = 5's 16-warp launch; A/B runs set both, -DKBIT_A_RING=S
 # and this (0: two stages everywhere; S >= 3: a ring of S at up to two n8 tiles)
 GEMM_MMA_A_RING = -1
-# the stages of the ring variant gemm._mma_ring asks for (its RING template argument)
-GEMM_MMA_RING_STAGES = 4
+# the stages of the ring variant gemm._mma_ring asks for (its RING template
+# argument; gemm_mma.cu takes at most 8). H200, kernel auto, k = 4 at 1..2
+# rows, fp16 and bf16, in one process against 4 (results/define_ab_h200_k4_ring_stages*_534d6ba*.txt):
+# 8 stages 14336x4096 1.034-1.040x, 4096x28672 1.010-1.019x, 28672x8192 and
+# 8192x57344 1.003-1.007x; 6 stages about half that; 3 stages 0.98-0.99x.
+GEMM_MMA_RING_STAGES = 8
 
 
 def gemm_mma_a_stages(k: int, m_tiles: int, warps: int, ring: int = 0) -> int:

@@ -1309,7 +1309,8 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 # k = 4's 8-warp mma launch with A's K tiles in a ring of mbarrier-handed
 # stages (gemm_mma.cu RING, _jit.GEMM_MMA_RING_STAGES) at up to this many rows
 # (0: never). H200, kernel auto, fp16 and bf16, in one process against two
-# stages, the same bits (results/define_ab_h200_k4_ring_030d87c_*.txt): at 1..2
+# stages, the same bits, with 4 stages (8 since: _jit.GEMM_MMA_RING_STAGES)
+# (results/define_ab_h200_k4_ring_030d87c_*.txt): at 1..2
 # rows 8192x57344 1.022-1.036x, 28672x8192 1.021-1.037x, 14336x4096
 # 1.022-1.032x, 4096x28672 1.006-1.015x; up to 4 rows adds 1.0-1.6% at 4 rows
 # on the two largest but loses 0.7% on 4096x28672: 2. Layers with fewer K tiles
