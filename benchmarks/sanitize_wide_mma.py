@@ -36,9 +36,9 @@ cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
                              (7, 1040, 8448), (4, wide_n, 8192)]
          if gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8]
 # k = 4's ring variant (gemm._mma_ring: 1..2 rows, enough K tiles a CTA)
-cases += [(4, M, 16400, 4096) for M in (1, 2)
-          if gemm._mma_warps(4, np.uint8, 1, 1, 16400, 4096) == 8
-          and gemm._mma_ring(4, np.uint8, M, 8, 1, math.ceil(16400 / 16 / 8) * (4096 // 256))
+cases += [(4, M, 16400, 8192) for M in (1, 2)
+          if gemm._mma_warps(4, np.uint8, 1, 1, 16400, 8192) == 8
+          and gemm._mma_ring(4, np.uint8, M, 8, 1, math.ceil(16400 / 16 / 8) * (8192 // 256))
           == _jit.GEMM_MMA_RING_STAGES]
 # k = 5: 16 warps and the 128 KB pair table at one and two n8 tiles (one: a
 # GPU of 4 TB/s or more, taken as that here)
@@ -56,7 +56,7 @@ if quick:
 if k5_only:
     cases = [c for c in cases if c[0] == 5]
 if ring_only:
-    cases = [c for c in cases if c[0] == 5 or c[2:] == (16400, 4096)]
+    cases = [c for c in cases if c[0] == 5 or c[2:] == (16400, 8192)]
 for slack in (10**6,) if quick else (10**6, -10**6):  # split K, stream-K
     gemm._STREAM_K_SLACK = slack
     for k, M, N, K_dim in cases:

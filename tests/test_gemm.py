@@ -1294,7 +1294,10 @@ def test_k4_ring_variant(monkeypatch):
         return math.ceil(math.ceil(N / 16) / 8) * math.ceil(K_dim / 256)
 
     assert gemm._K4_RING_MAX_M == 2
-    for N, K_dim, want in [(57344, 8192, 4), (4096, 14336, 4), (28672, 4096, 4), (6144, 4096, 0)]:
+    stages = _jit.GEMM_MMA_RING_STAGES
+    assert stages == 8
+    for N, K_dim, want in [(57344, 8192, stages), (4096, 14336, stages), (28672, 4096, stages),
+                           (6144, 4096, 0)]:
         for M in (1, 2):
             assert gemm._mma_ring(4, np.uint8, M, 8, 1, units(N, K_dim)) == want, (N, K_dim, M)
         assert gemm._mma_ring(4, np.uint8, 3, 8, 1, units(N, K_dim)) == 0
@@ -1303,8 +1306,7 @@ def test_k4_ring_variant(monkeypatch):
     assert gemm._mma_ring(4, np.uint8, 1, 4, 1, big) == 0
     assert gemm._mma_ring(2, np.uint8, 1, 8, 1, big) == 0
     ring = [v.args for v in _jit.all_variants() if v.family == "gemm_mma" and len(v.args) >= 10]
-    assert ring == [(4, dt, "uint8", 1, 1, 0, False, 8, False, _jit.GEMM_MMA_RING_STAGES)
-                    for dt in ("float16", "bfloat16")]
+    assert ring == [(4, dt, "uint8", 1, 1, 0, False, 8, False, stages) for dt in ("float16", "bfloat16")]
     assert all(_jit.needs_sm90a("gemm_mma", a) and _jit.cb_fold_variant("gemm_mma", a) is None for a in ring)
     monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 0)
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0

@@ -738,13 +738,16 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
         C = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
         assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
         monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
-    # Each stage refilled about twice a CTA (8 K tiles a CTA, 4 stages): the
-    # same bits over repeats. (racecheck cannot check the stages' hand-over:
-    # it reports the mbarrier-ordered refills as hazards,
-    # benchmarks/racecheck_mbarrier_probe.py.)
-    for k in (4, 5):
-        assert gemm._mma_warps(k, np.uint8, 1, 1, 16400, 4096) == (8 if k == 4 else 16)
-        w, A, C = run_case(1, 16400, 4096, k, dtype, "mma", seed=k)
+    # Each stage refilled about once a CTA (k = 4: about 16 K tiles a CTA, 8
+    # stages; k = 5: 8, 4 stages): the same bits over repeats. (racecheck
+    # cannot check the stages' hand-over: it reports the mbarrier-ordered
+    # refills as hazards, benchmarks/racecheck_mbarrier_probe.py.)
+    for k, K_dim in [(4, 8192), (5, 4096)]:
+        assert gemm._mma_warps(k, np.uint8, 1, 1, 16400, K_dim) == (8 if k == 4 else 16)
+        units = math.ceil(math.ceil(16400 / 16) / (8 if k == 4 else 16)) * K_dim // 256
+        ctas = (2 if k == 4 else 1) * cp.cuda.Device().attributes["MultiProcessorCount"]
+        assert units >= 1.5 * ctas * (_jit.GEMM_MMA_RING_STAGES if k == 4 else 4), (k, units)
+        w, A, C = run_case(1, 16400, K_dim, k, dtype, "mma", seed=k)
         A = cp.asarray(A)
         for _ in range(16):
             again = kbit_gemm(A, w, kernel="mma")
