@@ -1308,15 +1308,17 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 
 # k = 4's 8-warp mma launch with A's K tiles in a ring of mbarrier-handed
 # stages (gemm_mma.cu RING, _jit.GEMM_MMA_RING_STAGES) at up to this many rows
-# (0: never). H200, kernel auto, fp16 and bf16, in one process against two
-# stages, the same bits, with 4 stages (8 since: _jit.GEMM_MMA_RING_STAGES)
-# (results/define_ab_h200_k4_ring_030d87c_*.txt): at 1..2
-# rows 8192x57344 1.022-1.036x, 28672x8192 1.021-1.037x, 14336x4096
-# 1.022-1.032x, 4096x28672 1.006-1.015x; up to 4 rows adds 1.0-1.6% at 4 rows
-# on the two largest but loses 0.7% on 4096x28672: 2. Layers with fewer K tiles
-# a CTA (_RING_MIN_TILES_PER_CTA; 4096x6144, 8192x2048) keep two stages (the
-# ring on every launch lost 8% on 4096x6144: define_ab_h200_a_ring_auto_8278b35.txt).
-# Not measured on the H100 (benchmarks/knob_first_run.sh ring-h100).
+# (0: never). H200, kernel auto, in one process against two stages, the same
+# bits. With 8 stages, as taken (results/define_ab_h200_k4_ring8_off_d542949*.txt),
+# new speed over old at 1 / 2 rows, fp16 and bf16: 8192x57344 1.04 / 1.03x,
+# 28672x8192 1.04 / 1.03x, 4096x28672 1.035 / 1.02-1.03x, 14336x4096
+# 1.06x. Rows: measured with 4 stages (define_ab_h200_k4_ring_030d87c_*.txt),
+# up to 4 rows added 1.0-1.6% at 4 rows on the two largest but lost 0.7% on
+# 4096x28672, so 2 (8 stages at 3..8 rows: knob_first_run.sh ring8). Layers
+# with fewer K tiles a CTA (_RING_MIN_TILES_PER_CTA; 4096x6144, 8192x2048)
+# keep two stages (the ring on every launch lost 8% on 4096x6144:
+# define_ab_h200_a_ring_auto_8278b35.txt). Not measured on the H100
+# (knob_first_run.sh ring-h100).
 _K4_RING_MAX_M = 2
 # ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
 _RING_MIN_TILES_PER_CTA = 6
