@@ -65,6 +65,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k4-ring-check  # k = 4's ring by default: GPU tests, memcheck, racecheck (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k4-ring-ncu    # ncu's stall samples at M = 1 with and without it (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring8      # k = 4's ring of 8 at 3..8 rows; k = 5's ring at 8 stages (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k3-wide-ring  # k = 3 on 8 warps with and without the ring; its GPU test (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -585,6 +586,14 @@ case "${1:-}" in
     run 200 define_ab_${tag}_k5_ring8_${commit}.txt python benchmarks/define_ab.py \
       --define KBIT_A_RING=8,_jit.GEMM_MMA_A_RING=8 \
       --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 12 16 --k 5 ;;
+  k3-wide-ring)  # k = 3 on 8 warps (gemm._K3_WIDE) with the ring of 8 at 1..2 rows, and without it, against 4 warps; its GPU test
+    warm "" gemm_mma gemm_latency gemm_lut
+    run 200 gpu_tests_${tag}_k3_ring_${commit}.txt python -m pytest -q -x tests/test_gpu_gemm.py -k "a_ring"
+    for dt in float16 bfloat16; do
+      run 150 define_ab_${tag}_k3_wide_ring_${commit}_${dt}.txt python benchmarks/define_ab.py \
+        --define gemm._K3_WIDE=1 --define gemm._K3_WIDE=1,gemm._K3_RING_MAX_M=0 --dtype $dt \
+        --layers 8192x57344 28672x8192 4096x28672 14336x4096 --m 1 2 4 --k 3
+    done ;;
   ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows
     warm "" gemm_mma gemm_latency gemm_lut
     warm KBIT_A_RING=0 gemm_mma
@@ -615,5 +624,5 @@ case "${1:-}" in
       run 150 moe_gap_probe_${tag}_grouped_copy_warps_e$1_$3_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts $1 --top-k $2 --shape $3 --t 8 32 --ab KBIT_GROUPED_COPY_WARPS=4
     done ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|copy-warps-h100|copy-warps-ncu|grouped-copy-warps|ring-check|ring-h100|ring-k4|ring8|k4-ring-check|k4-ring-ncu|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|copy-warps-h100|copy-warps-ncu|grouped-copy-warps|ring-check|ring-h100|ring-k4|ring8|k3-wide-ring|k4-ring-check|k4-ring-ncu|memcheck|racecheck" >&2; exit 2 ;;
 esac

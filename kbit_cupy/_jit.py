@@ -107,7 +107,9 @@ def all_variants() -> list[Variant]:
                         # 8 warps per CTA (gemm.py _mma_warps; k = 2 also two row tiles a warp)
                         for rpw in (1, 2) if k == 2 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8)))
-                    if k == 4 and scale == "uint8":  # the same with a ring of A's stages (gemm._mma_ring)
+                    if k == 3 and scale == "uint8":  # 8 warps where gemm._K3_WIDE (an A/B knob, off)
+                        out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
+                    if k in (3, 4) and scale == "uint8":  # the same with a ring of A's stages (gemm._mma_ring)
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8, False,
                                                         GEMM_MMA_RING_STAGES)))
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
@@ -400,8 +402,8 @@ def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 def needs_sm90a(family: str, args: tuple) -> bool:
     """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu,
-    its ring variant of k = 4's 8-warp launch, which gemm._mma_warps takes on
-    sm_90 only, the cluster split of gemm_latency.cu)."""
+    its ring variants of k = 3's and 4's 8-warp launches, which gemm._mma_warps
+    takes on sm_90 only, the cluster split of gemm_latency.cu)."""
     if family == "gemm_latency":
         return len(args) >= 5 and bool(args[4])
     return family == "gemm_mma" and ((len(args) >= 6 and args[5] > 0) or (len(args) >= 10 and args[9] > 0))

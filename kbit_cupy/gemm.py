@@ -1320,6 +1320,11 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 # define_ab_h200_a_ring_auto_8278b35.txt). Not measured on the H100
 # (knob_first_run.sh ring-h100).
 _K4_RING_MAX_M = 2
+# k = 3's 8-warp launch (only where the _K3_WIDE experiment gives it 8 warps)
+# with the same ring, at up to this many rows: 80 registers instead of 72,
+# three CTAs an SM either way (k = 4's ring gained most at 1..2 rows). Not
+# measured: knob_first_run.sh k3-wide-ring.
+_K3_RING_MAX_M = 2
 # ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
 _RING_MIN_TILES_PER_CTA = 6
 
@@ -1327,10 +1332,12 @@ _RING_MIN_TILES_PER_CTA = 6
 def _mma_ring(k: int, scale_dtype, M: int, warps: int, per_warp: int, units: int) -> int:
     """The RING template argument of the dense mma.sync launch (0: none; k =
     5's 16-warp launch has its ring without it): k = 4's 8-warp launch at up
-    to _K4_RING_MAX_M rows with ``units`` (groups x K tiles) of at least
+    to _K4_RING_MAX_M rows (k = 3's, where _K3_WIDE gives it 8 warps, at up
+    to _K3_RING_MAX_M) with ``units`` (groups x K tiles) of at least
     _RING_MIN_TILES_PER_CTA per CTA at two CTAs an SM."""
-    if (k == 4 and warps == 8 and per_warp == 1 and np.dtype(scale_dtype) == np.uint8
-            and M <= _K4_RING_MAX_M and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()):
+    max_m = {3: _K3_RING_MAX_M, 4: _K4_RING_MAX_M}.get(k, 0)
+    if (warps == 8 and per_warp == 1 and np.dtype(scale_dtype) == np.uint8
+            and M <= max_m and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()):
         return _jit.GEMM_MMA_RING_STAGES
     return 0
 

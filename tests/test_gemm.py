@@ -1305,8 +1305,15 @@ def test_k4_ring_variant(monkeypatch):
     assert gemm._mma_ring(4, np.float16, 1, 8, 1, big) == 0  # fp16 scales: 4 warps
     assert gemm._mma_ring(4, np.uint8, 1, 4, 1, big) == 0
     assert gemm._mma_ring(2, np.uint8, 1, 8, 1, big) == 0
+    assert gemm._mma_ring(5, np.uint8, 1, 8, 1, big) == 0
+    # k = 3's 8-warp launch (where the _K3_WIDE experiment takes it) the same
+    # at up to _K3_RING_MAX_M rows
+    assert gemm._K3_RING_MAX_M == 2
+    assert [gemm._mma_ring(3, np.uint8, M, 8, 1, big) for M in (1, 2, 3)] == [stages, stages, 0]
+    assert gemm._mma_ring(3, np.uint8, 1, 4, 1, big) == 0
     ring = [v.args for v in _jit.all_variants() if v.family == "gemm_mma" and len(v.args) >= 10]
-    assert ring == [(4, dt, "uint8", 1, 1, 0, False, 8, False, stages) for dt in ("float16", "bfloat16")]
+    assert ring == [(k, dt, "uint8", 1, 1, 0, False, 8, False, stages)
+                    for k in (3, 4) for dt in ("float16", "bfloat16")]
     assert all(_jit.needs_sm90a("gemm_mma", a) and _jit.cb_fold_variant("gemm_mma", a) is None for a in ring)
     monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 0)
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0

@@ -710,7 +710,8 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
     (split K): close to the reference, every element written, and the same bits
     as two stages and a barrier a tile (-DKBIT_A_RING=0). k = 4's 8-warp ring
     variant (gemm._mma_ring, taken at up to 2 rows) at 1 and 2 rows: the same
-    bits as without (gemm._K4_RING_MAX_M = 0); both rings, with their stages
+    bits as without (gemm._K4_RING_MAX_M = 0), and k = 3's where the _K3_WIDE
+    experiment gives it 8 warps; both rings, with their stages
     refilled, the same bits over 16 repeats. Then the ring forced (3 and 4
     stages) on the 4- and 8-warp launches of k = 2..4: close to the
     reference, every element written, the same bits twice."""
@@ -738,6 +739,19 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
         C = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
         assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
         monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
+    # k = 3's 8-warp launch (the _K3_WIDE experiment) with its ring at 1 and
+    # 2 rows: the same bits as without (gemm._K3_RING_MAX_M = 0)
+    monkeypatch.setattr(gemm, "_K3_WIDE", 1)
+    for M in (1, 2):
+        assert gemm._mma_warps(3, np.uint8, 1, 1, 16400, 8192) == 8
+        units = math.ceil(math.ceil(16400 / 16) / 8) * 8192 // 256
+        assert gemm._mma_ring(3, np.uint8, M, 8, 1, units) == _jit.GEMM_MMA_RING_STAGES
+        ring = run_case(M, 16400, 8192, 3, dtype, "mma", seed=M)[2]
+        monkeypatch.setattr(gemm, "_K3_RING_MAX_M", 0)
+        C = run_case(M, 16400, 8192, 3, dtype, "mma", seed=M)[2]
+        assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (3, M)
+        monkeypatch.setattr(gemm, "_K3_RING_MAX_M", 2)
+    monkeypatch.setattr(gemm, "_K3_WIDE", 0)
     # Each stage refilled about once a CTA (k = 4: about 16 K tiles a CTA, 8
     # stages; k = 5: 8, 4 stages): the same bits over repeats. (racecheck
     # cannot check the stages' hand-over: it reports the mbarrier-ordered
