@@ -594,7 +594,7 @@ case "${1:-}" in
         --define gemm._K3_WIDE=1 --define gemm._K3_WIDE=1,gemm._K3_RING_MAX_M=0 --dtype $dt \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 --m 1 2 4 --k 3
     done ;;
-  ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows
+  ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows; k = 4's ring of 8 (off below 4 TB/s: gemm._RING_MIN_TBPS) at up to 2 and 4 rows
     warm "" gemm_mma gemm_latency gemm_lut
     warm KBIT_A_RING=0 gemm_mma
     for kern in auto mma; do
@@ -602,8 +602,8 @@ case "${1:-}" in
         --define KBIT_A_RING=0,_jit.GEMM_MMA_A_RING=0 --kernel $kern \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 12 16 --k 5
     done
-    run 150 define_ab_${tag}_k4_ring_off_${commit}.txt python benchmarks/define_ab.py \
-      --define gemm._K4_RING_MAX_M=0 --define gemm._K4_RING_MAX_M=4 \
+    run 150 define_ab_${tag}_k4_ring_on_${commit}.txt python benchmarks/define_ab.py \
+      --define gemm._RING_MIN_TBPS=0 --define gemm._RING_MIN_TBPS=0,gemm._K4_RING_MAX_M=4 \
       --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 2 4 --k 4 ;;
   ring-k4)  # (run at 030d87c: up to 2 rows taken) k = 4's 8-warp ring variant (gemm._K4_RING_MAX_M) at up to 2 and 4 rows against two stages; the ring's depth on k = 5 (3, 5, 6 stages against 4)
     warm "" gemm_mma gemm_latency gemm_lut

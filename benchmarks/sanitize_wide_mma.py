@@ -35,14 +35,15 @@ cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
          for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (6, 16400, 256),
                              (7, 1040, 8448), (4, wide_n, 8192)]
          if gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8]
-# k = 4's ring variant (gemm._mma_ring: 1..2 rows, enough K tiles a CTA)
+# k = 4's ring variant (gemm._mma_ring: 1..2 rows, enough K tiles a CTA, a
+# GPU of 4 TB/s or more: taken as that here, as for k = 5 below)
+gemm._device_tbps = lambda: 4.8
 cases += [(4, M, 16400, 8192) for M in (1, 2)
           if gemm._mma_warps(4, np.uint8, 1, 1, 16400, 8192) == 8
           and gemm._mma_ring(4, np.uint8, M, 8, 1, math.ceil(16400 / 16 / 8) * (8192 // 256))
           == _jit.GEMM_MMA_RING_STAGES]
 # k = 5: 16 warps and the 128 KB pair table at one and two n8 tiles (one: a
-# GPU of 4 TB/s or more, taken as that here)
-gemm._device_tbps = lambda: 4.8
+# GPU of 4 TB/s or more)
 cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (9, 16400, 256),
                                                (13, 16400, 256), (16, 40, 16384)]
           if gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16]

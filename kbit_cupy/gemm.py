@@ -1318,7 +1318,7 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 # with fewer K tiles a CTA (_RING_MIN_TILES_PER_CTA; 4096x6144, 8192x2048)
 # keep two stages (the ring on every launch lost 8% on 4096x6144:
 # define_ab_h200_a_ring_auto_8278b35.txt). Not measured on the H100
-# (knob_first_run.sh ring-h100).
+# (_RING_MIN_TBPS below).
 _K4_RING_MAX_M = 2
 # k = 3's 8-warp launch (only where the _K3_WIDE experiment gives it 8 warps)
 # with the same ring, at up to this many rows: 80 registers instead of 72,
@@ -1327,6 +1327,10 @@ _K4_RING_MAX_M = 2
 _K3_RING_MAX_M = 2
 # ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
 _RING_MIN_TILES_PER_CTA = 6
+# ... and only on a GPU of this peak bandwidth (TB/s, _device_tbps) or more:
+# measured on the H200 alone, so the H100 keeps two stages until
+# knob_first_run.sh ring-h100 (gemm._RING_MIN_TBPS=0 there) says otherwise
+_RING_MIN_TBPS = _FAST_TBPS
 
 
 def _mma_ring(k: int, scale_dtype, M: int, warps: int, per_warp: int, units: int) -> int:
@@ -1334,10 +1338,12 @@ def _mma_ring(k: int, scale_dtype, M: int, warps: int, per_warp: int, units: int
     5's 16-warp launch has its ring without it): k = 4's 8-warp launch at up
     to _K4_RING_MAX_M rows (k = 3's, where _K3_WIDE gives it 8 warps, at up
     to _K3_RING_MAX_M) with ``units`` (groups x K tiles) of at least
-    _RING_MIN_TILES_PER_CTA per CTA at two CTAs an SM."""
+    _RING_MIN_TILES_PER_CTA per CTA at two CTAs an SM, on a GPU of
+    _RING_MIN_TBPS or more."""
     max_m = {3: _K3_RING_MAX_M, 4: _K4_RING_MAX_M}.get(k, 0)
     if (warps == 8 and per_warp == 1 and np.dtype(scale_dtype) == np.uint8
-            and M <= max_m and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()):
+            and M <= max_m and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()
+            and _device_tbps() >= _RING_MIN_TBPS):
         return _jit.GEMM_MMA_RING_STAGES
     return 0
 
@@ -1589,12 +1595,12 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
             per_warp = 2
         args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles, per_warp,
                 *((0, False, warps) if warps != 4 else ()))
-        if _cb_fold(weight, dtype, "mma", m_tiles):
-            args = _jit.cb_fold_variant("gemm_mma", args) or args
         ring = _mma_ring(weight.k, weight.absmax.dtype, M, warps, per_warp,
                          math.ceil(rt_n / (warps * per_warp)) * kt_n)
-        if ring:
+        if ring:  # (FOLD = false: a ring variant is never folded, _jit.cb_fold_variant)
             args = (*args, False, ring)
+        elif _cb_fold(weight, dtype, "mma", m_tiles):
+            args = _jit.cb_fold_variant("gemm_mma", args) or args
         kern = _jit.get_kernel("gemm_mma", *args)
     # mma: two stages of a K tile's activations (four in k = 5's ring); wgmma: three, or a ring of
     # 64-column slabs at 24 and 32 n8 tiles, aligned to 1024 bytes (its

@@ -1282,13 +1282,14 @@ def test_a_ring_against_its_run():
 
 def test_k4_ring_variant(monkeypatch):
     # gemm._mma_ring: k = 4's 8-warp launch takes its ring variant at up to
-    # _K4_RING_MAX_M rows (2; 0 turns it off), E4M4 scales, one
+    # _K4_RING_MAX_M rows (2; 0 turns it off) on a GPU of _RING_MIN_TBPS, E4M4 scales, one
     # row tile a warp, with enough K tiles a CTA: 8192x57344, 14336x4096 and
     # 4096x28672 yes, 4096x6144 (about 3 a CTA on 132 SMs) no. The variant is sm_90a's
     # (the 8-warp launch is sm_90's), compiled by the check, never folded.
     from kbit_cupy import _jit, gemm
 
     monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)  # the H200
 
     def units(N, K_dim):
         return math.ceil(math.ceil(N / 16) / 8) * math.ceil(K_dim / 256)
@@ -1315,6 +1316,12 @@ def test_k4_ring_variant(monkeypatch):
     assert ring == [(k, dt, "uint8", 1, 1, 0, False, 8, False, stages)
                     for k in (3, 4) for dt in ("float16", "bfloat16")]
     assert all(_jit.needs_sm90a("gemm_mma", a) and _jit.cb_fold_variant("gemm_mma", a) is None for a in ring)
+    # not on a GPU below _RING_MIN_TBPS (the H100: measured on the H200 only)
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 3.35)
+    assert gemm._RING_MIN_TBPS == gemm._FAST_TBPS
+    assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0
+    monkeypatch.setattr(gemm, "_RING_MIN_TBPS", 0)
+    assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == stages
     monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 0)
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0
 

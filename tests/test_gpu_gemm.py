@@ -819,10 +819,12 @@ def test_dispatch_keys_on_this_gpus_bandwidth():
     """kernel="auto" reads the GPU's peak memory bandwidth from its properties
     (H100 SXM 3.35 TB/s, H200 4.8) and picks the rows it keys: k = 4 at M = 12
     on 4096x28672 runs wgmma at 4 TB/s or more, mma below; auto gives the
-    bits of the kernel it picks, again on a second call."""
+    bits of the kernel it picks, again on a second call. k = 4's 8-warp
+    launch takes its ring of A's stages at M = 1 on 8192x57344 only at 4 TB/s
+    or more (gemm._RING_MIN_TBPS: measured on the H200 alone)."""
     import cupy as cp
 
-    from kbit_cupy import gemm
+    from kbit_cupy import _jit, gemm
 
     needs_kernel("wgmma")
     tbps = gemm.device_tbps()
@@ -835,6 +837,9 @@ def test_dispatch_keys_on_this_gpus_bandwidth():
     else:
         assert tbps >= 0.0
     expected = "wgmma" if tbps >= gemm._FAST_TBPS else "mma"
+    units = math.ceil(math.ceil(57344 / 16) / 8) * 8192 // 256
+    ring = _jit.GEMM_MMA_RING_STAGES if tbps >= gemm._RING_MIN_TBPS else 0
+    assert gemm._mma_ring(4, np.uint8, 1, 8, 1, units) == ring, (name, tbps)
     N, K_dim, M = 28672, 4096, 12
     assert gemm.choose_kernel(M, N, K_dim, 4, np.float16) == expected
     rng = cp.random.default_rng(0)
