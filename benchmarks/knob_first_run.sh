@@ -66,6 +66,7 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k4-ring-ncu    # ncu's stall samples at M = 1 with and without it (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring8      # k = 4's ring of 8 at 3..8 rows; k = 5's ring at 8 stages (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k3-wide-ring  # k = 3 on 8 warps with and without the ring; its GPU test (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh compact-ring  # compact stages of A in the rings; k = 2's ring (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -594,6 +595,20 @@ case "${1:-}" in
         --define gemm._K3_WIDE=1 --define gemm._K3_WIDE=1,gemm._K3_RING_MAX_M=0 --dtype $dt \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 --m 1 2 4 --k 3
     done ;;
+  compact-ring)  # compact stages (KBIT_A_COMPACT: 2 rows of A a stage in the RING variants): k = 3/4's rings against full stages; k = 2's ring (gemm._K2_RING_MAX_M) with full and compact stages; the GPU test
+    warm "" gemm_mma gemm_latency gemm_lut
+    warm KBIT_A_COMPACT=1 gemm_mma
+    C=KBIT_A_COMPACT=1,_jit.GEMM_MMA_A_COMPACT=1
+    run 240 gpu_tests_${tag}_compact_ring_${commit}.txt python -m pytest -q -x tests/test_gpu_gemm.py -k "compact_ring"
+    run 150 define_ab_${tag}_compact_ring_k4_${commit}.txt python benchmarks/define_ab.py --define $C \
+      --layers 8192x57344 28672x8192 4096x28672 14336x4096 --m 1 2 --k 4
+    for kern in auto mma; do
+      run 150 define_ab_${tag}_k2_ring_${kern}_${commit}.txt python benchmarks/define_ab.py --kernel $kern \
+        --define gemm._K2_RING_MAX_M=2 --define $C,gemm._K2_RING_MAX_M=2 \
+        --layers 8192x57344 28672x8192 14336x4096 --m 1 2 --k 2
+    done
+    run 120 sanitize_wide_mma_memcheck_${tag}_compact_ring_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_wide_mma.py --ring --define=$C,gemm._K2_RING_MAX_M=2 ;;
   ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows; k = 4's ring of 8 (off below 4 TB/s: gemm._RING_MIN_TBPS) at up to 2 and 4 rows
     warm "" gemm_mma gemm_latency gemm_lut
     warm KBIT_A_RING=0 gemm_mma
@@ -624,5 +639,5 @@ case "${1:-}" in
       run 150 moe_gap_probe_${tag}_grouped_copy_warps_e$1_$3_${commit}.txt python benchmarks/moe_gap_probe.py \
         --experts $1 --top-k $2 --shape $3 --t 8 32 --ab KBIT_GROUPED_COPY_WARPS=4
     done ;;
-  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|copy-warps-h100|copy-warps-ncu|grouped-copy-warps|ring-check|ring-h100|ring-k4|ring8|k3-wide-ring|k4-ring-check|k4-ring-ncu|memcheck|racecheck" >&2; exit 2 ;;
+  *) echo "usage: $0 ab-ksplit|ab-k5|k5-mid|ab-fold|check|fold-check|chosen-ab|ab-base|base-check|base-rest|ksplit-ab|ksplit-check|moe-ncu|moe-knobs|wg-desc|wg-desc-check|moe-table|wg-desc-sanitize|moe-quarter|moe-ncu-source|ksplit-bound|copy-warps-h100|copy-warps-ncu|grouped-copy-warps|ring-check|ring-h100|ring-k4|ring8|k3-wide-ring|compact-ring|k4-ring-check|k4-ring-ncu|memcheck|racecheck" >&2; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 """The 8-warp mma launch (gemm._mma_warps) for compute-sanitizer (device only).
 
 usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick] [--k5] [--ring]
+       [--define=NAME=VALUE[,NAME=VALUE]] (define_ab.py's syntax; benchmarks on PYTHONPATH)
 The 8-warp launch at M <= 8: k = 4 (with its ring of A's stages at 1..2
 rows, gemm._mma_ring), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 (K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
@@ -28,6 +29,10 @@ import kbit_cupy as kc
 from kbit_cupy import _jit, gemm
 from kbit_cupy._arrays import BFLOAT16
 
+for spec in (a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--define=")):
+    from define_ab import whole_run_with
+
+    whole_run_with(spec)
 rng = np.random.default_rng(0)
 count = 0
 wide_n = 32 * cp.cuda.Device().attributes["MultiProcessorCount"] + 80  # k = 2: two row tiles a warp
@@ -42,6 +47,12 @@ cases += [(4, M, 16400, 8192) for M in (1, 2)
           if gemm._mma_warps(4, np.uint8, 1, 1, 16400, 8192) == 8
           and gemm._mma_ring(4, np.uint8, M, 8, 1, math.ceil(16400 / 16 / 8) * (8192 // 256))
           == _jit.GEMM_MMA_RING_STAGES]
+# ... and k = 2's where gemm._K2_RING_MAX_M asks (off by default): two row
+# tiles a warp on 16400 x 8192, one on 4112 x 16384
+cases += [(2, M, N, K_dim) for M in (1, 2) for N, K_dim, rpw in [(16400, 8192, 2), (4112, 16384, 1)]
+          if _jit.GEMM_K2_QUAD_TABLE
+          and gemm._mma_ring(2, np.uint8, M, 8, rpw, math.ceil(N / 16 / 8 / rpw) * (K_dim // 256))]
+RING_LAYERS = {(16400, 8192), (4112, 16384)}
 # k = 5: 16 warps and the 128 KB pair table at one and two n8 tiles (one: a
 # GPU of 4 TB/s or more)
 cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (9, 16400, 256),
@@ -53,11 +64,11 @@ ring_only = "--ring" in sys.argv[1:]  # the launches with a ring: k = 5's and k 
 # --ring also k = 4's ring at 1..2), split K, fp16
 quick = "--quick" in sys.argv[1:]
 if quick:
-    cases = [c for c in cases if c[1] >= 5 or (ring_only and c[0] == 4)]
+    cases = [c for c in cases if c[1] >= 5 or (ring_only and c[2:] in RING_LAYERS)]
 if k5_only:
     cases = [c for c in cases if c[0] == 5]
 if ring_only:
-    cases = [c for c in cases if c[0] == 5 or c[2:] == (16400, 8192)]
+    cases = [c for c in cases if c[0] == 5 or c[2:] in RING_LAYERS]
 for slack in (10**6,) if quick else (10**6, -10**6):  # split K, stream-K
     gemm._STREAM_K_SLACK = slack
     for k, M, N, K_dim in cases:

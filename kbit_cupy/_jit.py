@@ -109,9 +109,11 @@ def all_variants() -> list[Variant]:
                             out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8)))
                     if k == 3 and scale == "uint8":  # 8 warps where gemm._K3_WIDE (an A/B knob, off)
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
-                    if k in (3, 4) and scale == "uint8":  # the same with a ring of A's stages (gemm._mma_ring)
-                        out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8, False,
-                                                        GEMM_MMA_RING_STAGES)))
+                    if scale == "uint8" and k != 5:  # the same with a ring of A's stages (gemm._mma_ring)
+                        for rpw in (1, 2) if k == 2 else (1,):
+                            if k != 2 or GEMM_K2_QUAD_TABLE:
+                                out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8, False,
+                                                                GEMM_MMA_RING_STAGES)))
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
@@ -240,6 +242,20 @@ GEMM_MMA_A_RING = -1
 # 8 stages 14336x4096 1.034-1.040x, 4096x28672 1.010-1.019x, 28672x8192 and
 # 8192x57344 1.003-1.007x; 6 stages about half that; 3 stages 0.98-0.99x.
 GEMM_MMA_RING_STAGES = 8
+
+
+# gemm_mma.cu KBIT_A_COMPACT: 1 (an A/B knob, off; build with -DKBIT_A_COMPACT=1
+# and set this the same) stages only GEMM_MMA_COMPACT_ROWS rows of A in the
+# RING variants (gemm._mma_ring takes them at that many rows at most)
+GEMM_MMA_A_COMPACT = 0
+GEMM_MMA_COMPACT_ROWS = 2  # gemm_mma.cu kCompactRows
+
+
+def gemm_mma_stage_rows(m_tiles: int, ring: int = 0) -> int:
+    """Rows of A in one stage of the dense (not grouped) mma.sync launch of
+    gemm_mma.cu at ``m_tiles`` n8 tiles; ``ring``: the variant's RING template
+    argument (compact stages, KBIT_A_COMPACT)."""
+    return GEMM_MMA_COMPACT_ROWS if GEMM_MMA_A_COMPACT and ring > 0 and m_tiles == 1 else 8 * m_tiles
 
 
 def gemm_mma_a_stages(k: int, m_tiles: int, warps: int, ring: int = 0) -> int:
@@ -402,8 +418,8 @@ def gemm_grouped_wg_warpgroups(m_tiles: int, k: int) -> int:
 
 def needs_sm90a(family: str, args: tuple) -> bool:
     """True for variants built only for sm_90a (the wgmma path of gemm_mma.cu,
-    its ring variants of k = 3's and 4's 8-warp launches, which gemm._mma_warps
-    takes on sm_90 only, the cluster split of gemm_latency.cu)."""
+    its ring variants of the 8-warp launches, which gemm._mma_warps takes on
+    sm_90 only, the cluster split of gemm_latency.cu)."""
     if family == "gemm_latency":
         return len(args) >= 5 and bool(args[4])
     return family == "gemm_mma" and ((len(args) >= 6 and args[5] > 0) or (len(args) >= 10 and args[9] > 0))

@@ -1325,6 +1325,12 @@ _K4_RING_MAX_M = 2
 # three CTAs an SM either way (k = 4's ring gained most at 1..2 rows). Not
 # measured: knob_first_run.sh k3-wide-ring.
 _K3_RING_MAX_M = 2
+# k = 2's 8-warp launch (its 64 KB byte table, one or two row tiles a warp)
+# with the same ring at up to this many rows (0: never, until measured). Four
+# full stages beside the byte table cost a CTA an SM (three to two,
+# define_ab_h200_a_ring_auto_8278b35.txt); compact stages (gemm_mma.cu
+# KBIT_A_COMPACT, _jit.GEMM_MMA_A_COMPACT) keep three: knob_first_run.sh compact-ring.
+_K2_RING_MAX_M = 0
 # ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
 _RING_MIN_TILES_PER_CTA = 6
 # ... and only on a GPU of this peak bandwidth (TB/s, _device_tbps) or more:
@@ -1337,12 +1343,14 @@ def _mma_ring(k: int, scale_dtype, M: int, warps: int, per_warp: int, units: int
     """The RING template argument of the dense mma.sync launch (0: none; k =
     5's 16-warp launch has its ring without it): k = 4's 8-warp launch at up
     to _K4_RING_MAX_M rows (k = 3's, where _K3_WIDE gives it 8 warps, at up
-    to _K3_RING_MAX_M) with ``units`` (groups x K tiles) of at least
+    to _K3_RING_MAX_M; k = 2's, one or two row tiles a warp, at up to
+    _K2_RING_MAX_M) with ``units`` (groups x K tiles) of at least
     _RING_MIN_TILES_PER_CTA per CTA at two CTAs an SM, on a GPU of
     _RING_MIN_TBPS or more."""
-    max_m = {3: _K3_RING_MAX_M, 4: _K4_RING_MAX_M}.get(k, 0)
-    if (warps == 8 and per_warp == 1 and np.dtype(scale_dtype) == np.uint8
+    max_m = {2: _K2_RING_MAX_M, 3: _K3_RING_MAX_M, 4: _K4_RING_MAX_M}.get(k, 0)
+    if (warps == 8 and (per_warp == 1 or k == 2) and np.dtype(scale_dtype) == np.uint8
             and M <= max_m and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()
+            and (M <= _jit.GEMM_MMA_COMPACT_ROWS or not _jit.GEMM_MMA_A_COMPACT)
             and _device_tbps() >= _RING_MIN_TBPS):
         return _jit.GEMM_MMA_RING_STAGES
     return 0
@@ -1610,7 +1618,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, wgs, False, 4)
     else:
         shared = (_jit.gemm_mma_a_stages(weight.k, m_tiles, warps, ring)
-                  * m_tiles * 8 * K_PER_TILE * dtype.itemsize)
+                  * _jit.gemm_mma_stage_rows(m_tiles, ring) * K_PER_TILE * dtype.itemsize)
         shared += _jit.gemm_prmt_table_bytes(weight.k, m_tiles, 0, False, warps)
     # static (codebook pair table, up to 33 KB) + dynamic past 48 KB needs the opt-in
     # wgmma with slab staging: one producer warpgroup besides the 4 * wgs warps

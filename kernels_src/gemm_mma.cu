@@ -559,8 +559,9 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // 4096x6144; k = 2 and 3 lost up to 8% and 14% (their tables and the
   // extra stages leave fewer CTAs an SM).
   // The template argument RING = S >= 3 asks for a ring of S stages where
-  // the host wants one (gemm._mma_ring: k = 4's 8-warp launch at few rows on
-  // layers of many K tiles a CTA, behind an A/B knob, off).
+  // the host wants one (gemm._mma_ring: k = 4's 8-warp launch at 1..2 rows on
+  // layers of many K tiles a CTA, on a GPU of 4 TB/s or more; k = 3's where
+  // an A/B knob gives it 8 warps).
   // KBIT_A_RING = S (an A/B knob; -1, the default: the above): S >= 3 a ring
   // of S stages (tile t + S - 2 in flight) on every dense mma.sync launch at
   // up to two n8 tiles, 0 none. gemm.py sizes the stages by
@@ -582,7 +583,20 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // after the slab it waits for.
   constexpr int kLag = kStages - 2;
   constexpr int kChunksPerRow = kSlab ? 8 : 32;  // 16-byte chunks of a staged row
-  constexpr int kStageChunks = 8 * M_TILES * kChunksPerRow;
+  // Compact stages (KBIT_A_COMPACT = 1, an A/B knob, off; the host's
+  // _jit.GEMM_MMA_A_COMPACT the same): a RING variant (the host takes those
+  // at up to kCompactRows rows of A) stages only kCompactRows rows, not 8,
+  // and ldmatrix reads row M - 1 in place of the rows past M. Those rows feed
+  // only the columns of C past M, which are never stored (mma.sync's products
+  // do not mix columns), so any finite row serves. A quarter of the shared
+  // memory a stage: room for 8 stages beside k = 2's 64 KB byte table at
+  // three CTAs an SM.
+#ifndef KBIT_A_COMPACT
+#define KBIT_A_COMPACT 0
+#endif
+  constexpr int kCompactRows = 2;
+  constexpr bool kCompact = KBIT_A_COMPACT && RING > 0 && !WG && !GROUPED && M_TILES == 1;
+  constexpr int kStageChunks = (kCompact ? kCompactRows : 8 * M_TILES) * kChunksPerRow;
   // WG: the stages start at x_align (below), so the tables follow them there
   // (gemm.py's 1 KB of alignment slack covers the shift); slab staging with
   // k = 4's PRMT table (kPrmtTable below): the table first (64 KB, a multiple
@@ -1016,7 +1030,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // columns of C they feed are never stored, but they are not left
     // uninitialised). Grouped launches zero-fill them in load_x, the tensor
     // copies of slab staging themselves.
-    const int rows_past = 8 * M_TILES - min(M, 8 * M_TILES);
+    const int rows_past = kCompact ? 0 : 8 * M_TILES - min(M, 8 * M_TILES);  // (compact: never read)
     for (int i = threadIdx.x; i < rows_past * 32; i += blockDim.x) {
       const int row = M + (i >> 5), c = i & 31;
 #pragma unroll
@@ -1105,6 +1119,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       unsigned dyn;
       asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
       if (dyn < (unsigned)(kStages * kStageChunks * 16)) __trap();  // the host sized fewer stages
+      if (kCompact && M > kCompactRows) __trap();  // (the host takes the RING variants at few rows)
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
         ring_bar_init(ring_full + s, 32 * kRingCopyWarps);
@@ -1662,8 +1677,10 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
     // 4j + (l >> 3) of the stage (matrix l >> 3 of the x4 load): chunk
     // 8(j >> 1) + ((4(j & 1) + (l >> 3)) ^ (l & 7)), so one address for even
     // and one for odd j, the rest immediate offsets.
-    const int x_sw = (lane >> 3) ^ (lane & 7);
-    const unsigned x_even = x_base + buf * (kStageChunks * 16) + (lane & 7) * 512 + x_sw * 16;
+    // (compact stages: rows past M read row M - 1 instead)
+    const int x_row = kCompact ? min(lane & 7, M - 1) : lane & 7;
+    const int x_sw = (lane >> 3) ^ x_row;
+    const unsigned x_even = x_base + buf * (kStageChunks * 16) + x_row * 512 + x_sw * 16;
     const unsigned x_odd = x_even + (x_sw & 4 ? -64 : 64);
     // The wgmma path below slab staging: the stage's descriptor (KBIT_WG_DESC_UNIFORM).
     unsigned long long stage_desc = 0;

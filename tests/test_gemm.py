@@ -1305,7 +1305,7 @@ def test_k4_ring_variant(monkeypatch):
     big = units(57344, 8192)
     assert gemm._mma_ring(4, np.float16, 1, 8, 1, big) == 0  # fp16 scales: 4 warps
     assert gemm._mma_ring(4, np.uint8, 1, 4, 1, big) == 0
-    assert gemm._mma_ring(2, np.uint8, 1, 8, 1, big) == 0
+    assert gemm._mma_ring(2, np.uint8, 1, 8, 1, big) == 0  # (k = 2: _K2_RING_MAX_M, 0)
     assert gemm._mma_ring(5, np.uint8, 1, 8, 1, big) == 0
     # k = 3's 8-warp launch (where the _K3_WIDE experiment takes it) the same
     # at up to _K3_RING_MAX_M rows
@@ -1313,8 +1313,8 @@ def test_k4_ring_variant(monkeypatch):
     assert [gemm._mma_ring(3, np.uint8, M, 8, 1, big) for M in (1, 2, 3)] == [stages, stages, 0]
     assert gemm._mma_ring(3, np.uint8, 1, 4, 1, big) == 0
     ring = [v.args for v in _jit.all_variants() if v.family == "gemm_mma" and len(v.args) >= 10]
-    assert ring == [(k, dt, "uint8", 1, 1, 0, False, 8, False, stages)
-                    for k in (3, 4) for dt in ("float16", "bfloat16")]
+    assert ring == [(k, dt, "uint8", 1, rpw, 0, False, 8, False, stages)
+                    for k in (2, 3, 4) for dt in ("float16", "bfloat16") for rpw in ((1, 2) if k == 2 else (1,))]
     assert all(_jit.needs_sm90a("gemm_mma", a) and _jit.cb_fold_variant("gemm_mma", a) is None for a in ring)
     # not on a GPU below _RING_MIN_TBPS (the H100: measured on the H200 only)
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 3.35)
@@ -1324,6 +1324,31 @@ def test_k4_ring_variant(monkeypatch):
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == stages
     monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 0)
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0
+
+
+def test_k2_ring_and_compact_stages(monkeypatch):
+    # k = 2's 8-warp launch takes the ring only under gemm._K2_RING_MAX_M (0:
+    # off), at one and two row tiles a warp. Compact stages (the A/B knob
+    # _jit.GEMM_MMA_A_COMPACT, with -DKBIT_A_COMPACT=1): a RING variant's stage
+    # holds 2 rows of A instead of 8 (the launch's shared memory), and no ring
+    # is taken past 2 rows then, whatever the rows knobs say (the kernel traps).
+    from kbit_cupy import _jit, gemm
+
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
+    stages = _jit.GEMM_MMA_RING_STAGES
+    big = 2080  # 16400 x 8192 at two row tiles a warp: 65 groups of 32 K tiles
+    assert gemm._K2_RING_MAX_M == 0 and gemm._mma_ring(2, np.uint8, 1, 8, 2, big) == 0
+    monkeypatch.setattr(gemm, "_K2_RING_MAX_M", 2)
+    assert [gemm._mma_ring(2, np.uint8, M, 8, rpw, big) for M in (1, 2, 3) for rpw in (1, 2)] == \
+        [stages] * 4 + [0, 0]
+    assert gemm._mma_ring(4, np.uint8, 1, 8, 2, big) == 0  # (k = 4: one row tile a warp only)
+    assert _jit.GEMM_MMA_A_COMPACT == 0
+    assert [_jit.gemm_mma_stage_rows(m, r) for m, r in [(1, 0), (1, stages), (2, 0), (2, 4)]] == [8, 8, 16, 16]
+    monkeypatch.setattr(_jit, "GEMM_MMA_A_COMPACT", 1)
+    assert [_jit.gemm_mma_stage_rows(m, r) for m, r in [(1, 0), (1, stages), (2, 0), (2, 4)]] == [8, 2, 16, 16]
+    monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 4)
+    assert [gemm._mma_ring(4, np.uint8, M, 8, 1, big) for M in (2, 3)] == [stages, 0]
 
 
 def test_k4_wide_underfill_charge(monkeypatch):

@@ -787,6 +787,49 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
 
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_compact_ring_stages(monkeypatch, kernels_built_with, dtype, split):
+    """The RING variants built with KBIT_A_COMPACT=1 (an A/B knob: stages of 2
+    rows of A, rows past M read from row M - 1): k = 3 (8 warps, the _K3_WIDE
+    experiment) and k = 4 at 1 and 2 rows give the same bits as their full
+    stages; k = 2's ring (gemm._K2_RING_MAX_M, off by default) at one and two
+    row tiles a warp is close to the reference, every element written; each
+    the same bits over 8 repeats, with every stage refilled."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, gemm
+
+    needs_kernel("wgmma")  # the 8-warp launches are taken on sm_90 only
+    monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)  # (the rings' bandwidth gate)
+    monkeypatch.setattr(gemm, "_K3_WIDE", 1)
+    monkeypatch.setattr(gemm, "_K2_RING_MAX_M", 2)
+    # k = 2: two row tiles a warp on 16400 rows (1025 row tiles, two for each
+    # SM's), one on 4112 (257), each with enough K tiles a CTA for the ring
+    cases = [(k, M, 16400, 8192) for k in (3, 4) for M in (1, 2)]
+    cases += [(2, M, N, K_dim) for M in (1, 2) for N, K_dim in [(16400, 8192), (4112, 16384)]]
+    full = {}
+    for k, M, N, K_dim in cases:
+        assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8, (k, N)
+        if k != 2:
+            full[k, M] = run_case(M, N, K_dim, k, dtype, "mma", seed=M)[2]
+    kernels_built_with("-DKBIT_A_COMPACT=1")
+    monkeypatch.setattr(_jit, "GEMM_MMA_A_COMPACT", 1)
+    for k, M, N, K_dim in cases:
+        per_warp = 2 if gemm._k2_two_row_tiles(k, 1, 8, (N + 15) // 16) else 1
+        assert per_warp == (2 if k == 2 and N == 16400 else 1), (k, N)
+        units = math.ceil(math.ceil(N / 16) / (8 * per_warp)) * K_dim // 256
+        assert gemm._mma_ring(k, np.uint8, M, 8, per_warp, units) == _jit.GEMM_MMA_RING_STAGES, (k, M, N)
+        w, A, C = run_case(M, N, K_dim, k, dtype, "mma", seed=M)
+        if k != 2:
+            assert (C.view(cp.uint16) == full[k, M].view(cp.uint16)).all(), (k, M)
+        A = cp.asarray(A)
+        for _ in range(8):
+            again = kbit_gemm(A, w, kernel="mma")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (k, M, N)
+
+
+@pytest.mark.parametrize("split", ["stream-k", "split-k"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sixteen_warp_k5_launch(monkeypatch, dtype, split):
     """k = 5, E4M4, M <= 16 on a large layer: 16 warps per CTA and the 128 KB
     pair table (gemm.py _mma_warps, _K5_TABLE) at one n8 tile (taken at 4 TB/s
