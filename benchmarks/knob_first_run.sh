@@ -564,14 +564,17 @@ case "${1:-}" in
         --define KBIT_A_RING=0,_jit.GEMM_MMA_A_RING=0 --dtype $dt \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 4096x4096 --m 1 4 8 16 --k 5
     done ;;
-  k4-ring-check)  # k = 4's ring at 1..2 rows by default: its GPU tests, memcheck and racecheck; ncu's stall samples with and without it at M = 1
+  k4-ring-check)  # (run at b172fa5) k = 4's ring at 1..2 rows by default: its GPU tests, memcheck, racecheck of the rest
     warm "" gemm_mma gemm_latency gemm_lut
     run 200 gpu_tests_${tag}_k4_ring_${commit}.txt python -m pytest -q -x tests/test_gpu_gemm.py \
       -k "a_ring or sixteen_warp or four_warps or eight_warp or lone_ctas"
     run 120 sanitize_wide_mma_memcheck_${tag}_ring_${commit}.txt compute-sanitizer --tool memcheck \
       python benchmarks/sanitize_wide_mma.py --ring
+    # (racecheck reports every mbarrier-ordered refill of a ring's stage as a
+    # WAR hazard, racecheck_mbarrier_probe.py: it checks the launches without
+    # refills, --quick without --ring)
     run 240 sanitize_wide_mma_racecheck_${tag}_ring_${commit}.txt compute-sanitizer --tool racecheck \
-      python benchmarks/sanitize_wide_mma.py --ring --quick ;;
+      python benchmarks/sanitize_wide_mma.py --quick ;;
   k4-ring-ncu)  # per-instruction stall samples of k = 4's 8-warp launch at M = 1: the ring (the default) and two stages
     for d in "" gemm._K4_RING_MAX_M=0; do
       ncu_source ncu_source_mma8_8192x57344_M1_k4_${d:+two_stage_}${tag}_${commit} "$d" 8192 57344 1 4 mma
