@@ -91,19 +91,25 @@ def main() -> int:
                    help="each variant its own program, as get_kernel builds it at run time (slower); "
                         "one program for the family inlines across variants, so a change to one "
                         "variant's calls can change another's PTX there and not at run time")
+    p.add_argument("--arch", choices=("sm_80", "sm_90a"), action="append",
+                   help="only this arch (repeatable; default both)")
     args = p.parse_args()
     extra = tuple(f"-D{d}" for d in args.define)
     here = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    differ = compared = 0
+    differ = compared = gone = 0
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["git", "-C", here, "worktree", "add", "--detach", "-q", tmp, args.against],
                        check=True)
         try:
-            for arch in ("sm_80", "sm_90a"):
+            for arch in args.arch or ("sm_80", "sm_90a"):
                 old = _entries(tmp, args.family, arch, [], extra, args.match, args.alone)
                 new = _entries(here, args.family, arch, sorted(old), extra, args.match, args.alone)
                 for name, entry in old.items():
+                    if name not in new:  # (a variant this tree no longer launches)
+                        gone += 1
+                        print(f"{arch} GONE    {name}")
+                        continue
                     params = entry.split(")", 1)[0].count(".param")
                     same = _normalised(entry, params) == _normalised(new[name], params)
                     differ += not same
@@ -114,7 +120,7 @@ def main() -> int:
     if not compared:
         print(f"no {args.family} variant at {args.against} matches {args.match!r}: nothing compared")
         return 2
-    print(f"{differ} variant(s) differ")
+    print(f"{differ} variant(s) differ" + (f"; {gone} not in this tree's variant list" if gone else ""))
     return 1 if differ else 0
 
 
