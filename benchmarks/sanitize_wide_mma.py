@@ -3,7 +3,7 @@
 usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick] [--k5] [--ring]
        [--define=NAME=VALUE[,NAME=VALUE]] (define_ab.py's syntax; benchmarks on PYTHONPATH)
 The 8-warp launch at M <= 8: k = 4 (with its ring of A's stages at 1..2
-rows, gemm._mma_ring), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
+rows, gemm._mma_ring; k = 2's ring where gemm._K2_RING_MAX_M asks), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 (K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
 (gemm._K5_TABLE) at M <= 16; the Hopper path's four-warpgroup launch at 6..16
 rows. E4M4, large-layer shapes (one short group,
@@ -59,9 +59,10 @@ cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (
                                                (13, 16400, 256), (16, 40, 16384)]
           if gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16]
 k5_only = "--k5" in sys.argv[1:]  # the 16-warp k = 5 launch alone (its ring of A's stages)
-ring_only = "--ring" in sys.argv[1:]  # the launches with a ring: k = 5's and k = 4's at 1..2 rows
+# the launches with a ring: k = 5's, k = 4's at 1..2 rows (k = 2's where its knob asks)
+ring_only = "--ring" in sys.argv[1:]
 # --quick (racecheck: the whole run passes 280 s): 5 rows and more (with
-# --ring also k = 4's ring at 1..2), split K, fp16
+# --ring also the rings at 1..2 rows), split K, fp16
 quick = "--quick" in sys.argv[1:]
 if quick:
     cases = [c for c in cases if c[1] >= 5 or (ring_only and c[2:] in RING_LAYERS)]
