@@ -55,6 +55,7 @@ src = cp.arange(32 * ROUNDS * 4, dtype=cp.uint32)
 out = cp.zeros(32, cp.uint32)
 probe((1,), (64,), (src, out, np.int32(ROUNDS)))
 cp.cuda.Device().synchronize()
-want = [sum(int(src[4 * (32 * r + (lane + r) % 32)]) for r in range(ROUNDS)) for lane in range(32)]
+host = src.get()
+want = [sum(int(host[4 * (32 * r + (lane + r) % 32)]) for r in range(ROUNDS)) for lane in range(32)]
 assert out.get().tolist() == want, (out.get().tolist(), want)
 print(f"probe ran {ROUNDS} rounds, sums as expected")

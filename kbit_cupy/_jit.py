@@ -109,11 +109,11 @@ def all_variants() -> list[Variant]:
                             out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8)))
                     if k == 3 and scale == "uint8":  # 8 warps where gemm._K3_WIDE (an A/B knob, off)
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
-                    if scale == "uint8" and k != 5:  # the same with a ring of A's stages (gemm._mma_ring)
+                    if scale == "uint8" and k != 5 and (k != 2 or GEMM_K2_QUAD_TABLE):
+                        # the 8-warp launches with a ring of A's stages (gemm._mma_ring)
                         for rpw in (1, 2) if k == 2 else (1,):
-                            if k != 2 or GEMM_K2_QUAD_TABLE:
-                                out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8, False,
-                                                                GEMM_MMA_RING_STAGES)))
+                            out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8, False,
+                                                            GEMM_MMA_RING_STAGES)))
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
