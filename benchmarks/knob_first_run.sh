@@ -67,6 +67,9 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh ring8      # k = 4's ring of 8 at 3..8 rows; k = 5's ring at 8 stages (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k3-wide-ring  # k = 3 on 8 warps with and without the ring; its GPU test (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh compact-ring  # compact stages of A in the rings; k = 2's ring (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh rows-ab    # k = 4's ring at 3..4 rows, k = 5's 8 stages, k = 3's
+#       8 warps from 3 rows as taken, against the rules before; memcheck of the rings (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh rows-check # their GPU tests (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -612,6 +615,17 @@ case "${1:-}" in
     done
     run 120 sanitize_wide_mma_memcheck_${tag}_compact_ring_${commit}.txt compute-sanitizer --tool memcheck \
       python benchmarks/sanitize_wide_mma.py --ring --define=$C,gemm._K2_RING_MAX_M=2 ;;
+  rows-ab)  # as taken: k = 4's ring at up to 4 rows, k = 5's ring variant (8 stages) at up to 8, k = 3's 8 warps from 3 rows, against the rules before (2, none, never); memcheck of the rings
+    warm "" gemm_mma gemm_latency gemm_lut
+    run 240 define_ab_${tag}_rows_old_${commit}.txt python benchmarks/define_ab.py \
+      --define gemm._K4_RING_MAX_M=2,gemm._K5_RING_MAX_M=0,gemm._K3_WIDE_MIN_M=65 \
+      --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 2 3 4 8 --k 3 4 5
+    run 150 sanitize_wide_mma_memcheck_${tag}_rows_${commit}.txt compute-sanitizer --tool memcheck \
+      python benchmarks/sanitize_wide_mma.py --ring ;;
+  rows-check)  # the GPU tests of the rings and the 8- and 16-warp launches
+    warm "" gemm_mma gemm_latency gemm_lut
+    run 420 gpu_tests_${tag}_rows_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py \
+      -k "a_ring or compact_ring or dispatch_keys or eight_warp or sixteen_warp or four_warps" ;;
   ring-h100)  # (the H100) k = 5's ring of A's stages against two stages: auto, and the mma launch at 1..16 rows; k = 4's ring of 8 (off below 4 TB/s: gemm._RING_MIN_TBPS) at up to 2 and 4 rows
     warm "" gemm_mma gemm_latency gemm_lut
     warm KBIT_A_RING=0 gemm_mma

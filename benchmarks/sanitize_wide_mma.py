@@ -2,10 +2,11 @@
 
 usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick] [--k5] [--ring]
        [--define=NAME=VALUE[,NAME=VALUE]] (define_ab.py's syntax; benchmarks on PYTHONPATH)
-The 8-warp launch at M <= 8: k = 4 (with its ring of A's stages at 1..2
+The 8-warp launch at M <= 8: k = 4 (with its ring of A's stages at 1..4
 rows, gemm._mma_ring; k = 2's ring where gemm._K2_RING_MAX_M asks), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 (K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
-(gemm._K5_TABLE) at M <= 16; the Hopper path's four-warpgroup launch at 6..16
+(gemm._K5_TABLE) at M <= 16 (with the ring variant's stages at 1 and 8 rows);
+the Hopper path's four-warpgroup launch at 6..16
 rows. E4M4, large-layer shapes (one short group,
 several), both work splits, fp16 and bf16; each result checked finite
 (poisoned output).
@@ -39,12 +40,12 @@ wide_n = 32 * cp.cuda.Device().attributes["MultiProcessorCount"] + 80  # k = 2: 
 cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
          for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (6, 16400, 256),
                              (7, 1040, 8448), (4, wide_n, 8192)]
-         if gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8]
-# k = 4's ring variant (gemm._mma_ring: 1..2 rows, enough K tiles a CTA, a
+         if gemm._mma_warps(k, np.uint8, M, 1, N, K_dim) == 8]
+# k = 4's ring variant (gemm._mma_ring: 1..4 rows, enough K tiles a CTA, a
 # GPU of 4 TB/s or more: taken as that here, as for k = 5 below)
 gemm._device_tbps = lambda: 4.8
-cases += [(4, M, 16400, 8192) for M in (1, 2)
-          if gemm._mma_warps(4, np.uint8, 1, 1, 16400, 8192) == 8
+cases += [(4, M, 16400, 8192) for M in (1, 2, 4)
+          if gemm._mma_warps(4, np.uint8, M, 1, 16400, 8192) == 8
           and gemm._mma_ring(4, np.uint8, M, 8, 1, math.ceil(16400 / 16 / 8) * (8192 // 256))
           == _jit.GEMM_MMA_RING_STAGES]
 # ... and k = 2's where gemm._K2_RING_MAX_M asks (off by default): two row
@@ -57,15 +58,20 @@ RING_LAYERS = {(16400, 8192), (4112, 16384)}
 # GPU of 4 TB/s or more)
 cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (9, 16400, 256),
                                                (13, 16400, 256), (16, 40, 16384)]
-          if gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16]
+          if gemm._mma_warps(5, np.uint8, M, 1, N, K_dim) == 16]
+# ... and its ring variant's 8 stages (gemm._mma_ring: 1..8 rows, enough K tiles a CTA)
+cases += [(5, M, 16400, 8192) for M in (1, 8)
+          if gemm._mma_warps(5, np.uint8, M, 1, 16400, 8192) == 16
+          and gemm._mma_ring(5, np.uint8, M, 16, 1, math.ceil(16400 / 16 / 16) * (8192 // 256))
+          == _jit.GEMM_MMA_RING_STAGES]
 k5_only = "--k5" in sys.argv[1:]  # the 16-warp k = 5 launch alone (its ring of A's stages)
-# the launches with a ring: k = 5's, k = 4's at 1..2 rows (k = 2's where its knob asks)
+# the launches with a ring: k = 5's, k = 4's at 1..4 rows (k = 2's where its knob asks)
 ring_only = "--ring" in sys.argv[1:]
 # --quick (racecheck: the whole run passes 280 s): 5 rows and more (with
-# --ring also the rings at 1..2 rows), split K, fp16
+# --ring also the rings at 1..4 rows), split K, fp16
 quick = "--quick" in sys.argv[1:]
 if quick:
-    cases = [c for c in cases if c[1] >= 5 or (ring_only and c[2:] in RING_LAYERS)]
+    cases = [c for c in cases if (c[1] >= 5 and c[2:] not in RING_LAYERS) or (ring_only and c[2:] in RING_LAYERS)]
 if k5_only:
     cases = [c for c in cases if c[0] == 5]
 if ring_only:

@@ -41,7 +41,7 @@ def main() -> int:
                 again = kc.kbit_gemm(A, w, kernel="mma").astype(cp.float32)
                 same = bool((C == again).all())
                 err = float(cp.linalg.norm(C - ref) / cp.linalg.norm(ref))
-                warps = gemm._mma_warps(args.k, w.absmax.dtype, 1 if M <= 8 else 2, 1, N, K_dim)
+                warps = gemm._mma_warps(args.k, w.absmax.dtype, M, 1, N, K_dim)
                 errs.append((err, bool(cp.isfinite(C).all()), same, warps))
             setattr(gemm, args.knob, 0)
             ok = errs[1][1] and errs[1][2] and errs[1][0] <= 1.5 * errs[0][0] + 1e-4

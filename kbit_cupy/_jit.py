@@ -107,9 +107,9 @@ def all_variants() -> list[Variant]:
                         # 8 warps per CTA (gemm.py _mma_warps; k = 2 also two row tiles a warp)
                         for rpw in (1, 2) if k == 2 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8)))
-                    if k == 3 and scale == "uint8":  # 8 warps where gemm._K3_WIDE (an A/B knob, off)
+                    if k == 3 and scale == "uint8":  # 8 warps from gemm._K3_WIDE_MIN_M rows
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 8)))
-                    if scale == "uint8" and k != 5 and (k != 2 or GEMM_K2_QUAD_TABLE):
+                    if scale == "uint8" and k in (2, 4) and (k != 2 or GEMM_K2_QUAD_TABLE):
                         # the 8-warp launches with a ring of A's stages (gemm._mma_ring)
                         for rpw in (1, 2) if k == 2 else (1,):
                             out.append(Variant("gemm_mma", (k, dtype, scale, 1, rpw, 0, False, 8, False,
@@ -117,6 +117,9 @@ def all_variants() -> list[Variant]:
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
+                        # one n8 tile with the ring variant's stages (gemm._mma_ring)
+                        out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 16, False,
+                                                        GEMM_MMA_RING_STAGES)))
                     wg_tiles = gemm_wg_m_tiles(k, scale)
                     if k == 5 and scale == "uint8" and 32 not in wg_tiles:
                         wg_tiles += (32,)  # GEMM_WG_K5_FULL_ROWS's variant, checked while off

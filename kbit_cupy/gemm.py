@@ -1312,51 +1312,64 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 # bits. With 8 stages, as taken (results/define_ab_h200_k4_ring8_off_d542949*.txt),
 # new speed over old at 1 / 2 rows, fp16 and bf16: 8192x57344 1.04 / 1.03x,
 # 28672x8192 1.04 / 1.03x, 4096x28672 1.035 / 1.02-1.03x, 14336x4096
-# 1.06x. Rows: measured with 4 stages (define_ab_h200_k4_ring_030d87c_*.txt),
-# up to 4 rows added 1.0-1.6% at 4 rows on the two largest but lost 0.7% on
-# 4096x28672, so 2 (8 stages at 3..8 rows: knob_first_run.sh ring8). Layers
-# with fewer K tiles a CTA (_RING_MIN_TILES_PER_CTA; 4096x6144, 8192x2048)
-# keep two stages (the ring on every launch lost 8% on 4096x6144:
+# 1.06x. Rows: 8 stages at up to 4 rows against up to 2, as above
+# (define_ab_h200_k4_ring8_rows_25a51c1_*.txt), at 3 / 4 rows: 8192x57344
+# 1.017x, 28672x8192 1.021 / 1.014x, 4096x28672 1.017-1.019 / 1.008x,
+# 14336x4096 1.054-1.056 / 1.045-1.048x, fp16 and bf16; up to 8 rows lost
+# 0.8-1.7% at 6 and 8 rows on the three widest (won 4.6-5.1% on 14336x4096),
+# so 4. Layers with fewer K tiles a CTA (_RING_MIN_TILES_PER_CTA; 4096x6144,
+# 8192x2048) keep two stages (the ring on every launch lost 8% on 4096x6144:
 # define_ab_h200_a_ring_auto_8278b35.txt). Not measured on the H100
 # (_RING_MIN_TBPS below).
-_K4_RING_MAX_M = 2
-# k = 3's 8-warp launch (only where the _K3_WIDE experiment gives it 8 warps)
-# with the same ring, at up to this many rows: 80 registers instead of 72,
-# three CTAs an SM either way (k = 4's ring gained most at 1..2 rows). Not
-# measured: knob_first_run.sh k3-wide-ring.
-_K3_RING_MAX_M = 2
+_K4_RING_MAX_M = 4
+# k = 5's 16-warp launch (one CTA an SM) has a ring of 4 stages of its own; at
+# up to this many rows it takes the ring variant's 8 instead where a CTA has
+# _RING_MIN_TILES_PER_CTA K tiles or more. H200, kernel auto, in one process,
+# 8 stages against 4 (define_ab_h200_k5_ring8_25a51c1.txt, fp16), M = 1 / 4 /
+# 8: 8192x57344 1.014 / 1.014 / 1.020x, 28672x8192 1.021 / 1.016 / 1.021x,
+# 4096x28672 1.008 / 1.013 / 1.014x, 14336x4096 1.015 / 1.019 / 1.021x; at 12
+# and 16 rows (two n8 tiles) 0.999-1.002x; 4096x6144 (3 K tiles a CTA) 0.988
+# / 0.981 / 1.030x: not taken there.
+_K5_RING_MAX_M = 8
 # k = 2's 8-warp launch (its 64 KB byte table, one or two row tiles a warp)
-# with the same ring at up to this many rows (0: never, until measured). Four
-# full stages beside the byte table cost a CTA an SM (three to two,
-# define_ab_h200_a_ring_auto_8278b35.txt); compact stages (gemm_mma.cu
-# KBIT_A_COMPACT, _jit.GEMM_MMA_A_COMPACT) keep three: knob_first_run.sh compact-ring.
+# with the same ring at up to this many rows (0: never). Four full stages
+# beside the byte table cost a CTA an SM (three to two,
+# define_ab_h200_a_ring_auto_8278b35.txt); with compact stages (gemm_mma.cu
+# KBIT_A_COMPACT, _jit.GEMM_MMA_A_COMPACT: 2 rows a stage) it keeps three,
+# but lost all the same (define_ab_h200_k2_ring_{auto,mma}_25a51c1.txt, M = 1
+# / 2, kernel auto: 8192x57344 0.986-0.988x, 28672x8192 0.972-0.986x,
+# 14336x4096 0.945-0.95 / 0.999x; full stages the same within 1%). Compact
+# stages on k = 4's ring: 0.994-1.010x (define_ab_h200_compact_ring_k4_25a51c1.txt).
 _K2_RING_MAX_M = 0
-# ... and only with at least this many K tiles a CTA (units over two CTAs an SM)
+# ... and only with at least this many K tiles a CTA (units over the CTAs an
+# SM holds: two of 8 warps, one of 16)
 _RING_MIN_TILES_PER_CTA = 6
 # ... and only on a GPU of this peak bandwidth (TB/s, _device_tbps) or more:
-# measured on the H200 alone, so the H100 keeps two stages until
+# measured on the H200 alone, so the H100 keeps two stages (k = 5: four) until
 # knob_first_run.sh ring-h100 (gemm._RING_MIN_TBPS=0 there) says otherwise
 _RING_MIN_TBPS = _FAST_TBPS
 
 
 def _mma_ring(k: int, scale_dtype, M: int, warps: int, per_warp: int, units: int) -> int:
     """The RING template argument of the dense mma.sync launch (0: none; k =
-    5's 16-warp launch has its ring without it): k = 4's 8-warp launch at up
-    to _K4_RING_MAX_M rows (k = 3's, where _K3_WIDE gives it 8 warps, at up
-    to _K3_RING_MAX_M; k = 2's, one or two row tiles a warp, at up to
+    5's 16-warp launch then has its own ring of 4): k = 4's 8-warp launch at
+    up to _K4_RING_MAX_M rows, k = 5's 16-warp launch at up to _K5_RING_MAX_M
+    (k = 2's 8-warp launch, one or two row tiles a warp, at up to
     _K2_RING_MAX_M) with ``units`` (groups x K tiles) of at least
-    _RING_MIN_TILES_PER_CTA per CTA at two CTAs an SM, on a GPU of
-    _RING_MIN_TBPS or more."""
-    max_m = {2: _K2_RING_MAX_M, 3: _K3_RING_MAX_M, 4: _K4_RING_MAX_M}.get(k, 0)
-    if (warps == 8 and (per_warp == 1 or k == 2) and np.dtype(scale_dtype) == np.uint8
-            and M <= max_m and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()
-            and (M <= _jit.GEMM_MMA_COMPACT_ROWS or not _jit.GEMM_MMA_A_COMPACT)
-            and _device_tbps() >= _RING_MIN_TBPS):
-        return _jit.GEMM_MMA_RING_STAGES
-    return 0
+    _RING_MIN_TILES_PER_CTA per CTA (two CTAs an SM of 8 warps, one of 16),
+    on a GPU of _RING_MIN_TBPS or more."""
+    if k == 5 and warps == 16:
+        ok = M <= _K5_RING_MAX_M and units >= _RING_MIN_TILES_PER_CTA * _sm_count()
+    else:
+        max_m = {2: _K2_RING_MAX_M, 4: _K4_RING_MAX_M}.get(k, 0)
+        ok = (warps == 8 and (per_warp == 1 or k == 2) and M <= max_m
+              and units >= _RING_MIN_TILES_PER_CTA * 2 * _sm_count()
+              and (M <= _jit.GEMM_MMA_COMPACT_ROWS or not _jit.GEMM_MMA_A_COMPACT))
+    ok = ok and np.dtype(scale_dtype) == np.uint8 and _device_tbps() >= _RING_MIN_TBPS
+    return _jit.GEMM_MMA_RING_STAGES if ok else 0
 
 
-def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: int) -> int:
+def _mma_warps(k: int, scale_dtype, M: int, per_warp: int, N: int, K_dim: int) -> int:
     """Warps per CTA of the dense mma.sync launch: 8 (two CTAs per SM, one pair
     table for 8 warps) for k = 4 with E4M4 scales at one n8 tile on the large
     layers of an sm_90 GPU, else 4. Kernel-only, in one process against 4 warps
@@ -1374,7 +1387,9 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
 
     k = 5: 16 warps (one CTA per SM, its 128 KB pair table) at one and two n8
     tiles on the large layers where _K5_TABLE says (at one only from
-    _FAST_TBPS). k = 3: 8 warps only where _K3_WIDE (an experiment)."""
+    _FAST_TBPS). k = 3: 8 warps from _K3_WIDE_MIN_M rows where K_dim >=
+    _K2_WIDE_MIN_K_DIM (see there). ``M``: rows of A."""
+    m_tiles = -(-M // 8)  # n8 tiles (only 1 and 2 are asked about: _jit.GEMM_M_TILES)
     if not (_WIDE_WARPS and np.dtype(scale_dtype) == np.uint8 and per_warp == 1):
         return _WARPS
     if k == 5:
@@ -1385,7 +1400,7 @@ def _mma_warps(k: int, scale_dtype, m_tiles: int, per_warp: int, N: int, K_dim: 
         return _WARPS
     if k == 2 and not (_jit.GEMM_K2_QUAD_TABLE and K_dim >= _K2_WIDE_MIN_K_DIM):
         return _WARPS
-    if k == 3 and not (_K3_WIDE and K_dim >= _K2_WIDE_MIN_K_DIM):
+    if k == 3 and not (M >= _K3_WIDE_MIN_M and K_dim >= _K2_WIDE_MIN_K_DIM):
         return _WARPS
     if has_wgmma() and _layer_class(N, K_dim, k, True) == "large":
         return _WIDE_WARPS
@@ -1408,11 +1423,18 @@ def _k2_two_row_tiles(k: int, m_tiles: int, warps: int, rt_n: int) -> bool:
 
 
 _K2_RPW2 = 1  # k = 2's two row tiles a warp where _k2_two_row_tiles says (0: never, A/B runs)
-# experiment, off: k = 3 the same (its 8 KB pair table for 8 warps), for A/B
-# runs. H200 against 4 warps at M = 1 / 4 / 8 (define_ab_h200_k35_wide_mma_2355ab4.txt):
+# k = 3 the same (its 8 KB pair table for 8 warps) from this many rows (65:
+# never). H200 against 4 warps at M = 1 / 4 / 8 (define_ab_h200_k35_wide_mma_2355ab4.txt):
 # 8192x57344 -1.1 / +1.0 / +3.6%, 28672x8192 -1.4 / +0.8 / +1.7%, 14336x4096
-# +2.6..3.0%: too small and mixed to take.
-_K3_WIDE = 0
+# +2.6..3.0%; again at M = 1 / 2 / 4, kernel auto, fp16 and bf16
+# (define_ab_h200_k3_wide_ring_25a51c1_*.txt): 8192x57344 0.98-0.99 / 0.99 /
+# 1.01x, 28672x8192 0.985 / 0.994 / 1.01x, 14336x4096 0.999-1.01 / 1.006-1.012
+# / 1.034-1.038x (4096x28672: 4 warps, K_dim < _K2_WIDE_MIN_K_DIM). H100, 8
+# warps against 4 at a4fd5c1 (define_ab_h100_mma_warps_*_a4fd5c1.txt): M = 4 /
+# 8 8192x57344 1.008 / 1.013x, 14336x4096 1.016 / 1.028x. So from 3 rows. (Its
+# ring of A's stages lost 4-6% on the two largest at 1..2 rows, 3 CTAs an SM
+# at 80 registers: same files, gemm._K3_WIDE=1 column; not kept.)
+_K3_WIDE_MIN_M = 3
 # k = 5 on 16 warps at up to two n8 tiles on the large layers, one CTA per
 # SM, with its 128 KB pair table (gemm_mma.cu kBigPairTable) instead of two
 # shuffles a pair (0: 4 warps, the shuffles; for A/B runs). Against 4 warps,
@@ -1598,7 +1620,7 @@ def _plan_launch(M: int, weight: KbitWeight, dtype, wg: bool, stream: int, chunk
         # Two row tiles per warp where there are row tiles to spare (measured:
         # +20-25% at M = 32..64 on 4096x28672 and larger, -20-30% on 2048x768).
         per_warp = 2 if m_tiles >= 4 and rt_n >= 4 * _sm_count() else 1
-        warps = _mma_warps(weight.k, weight.absmax.dtype, m_tiles, per_warp, N, K_dim)
+        warps = _mma_warps(weight.k, weight.absmax.dtype, M, per_warp, N, K_dim)
         if _k2_two_row_tiles(weight.k, m_tiles, warps, rt_n):
             per_warp = 2
         args = (weight.k, dtype.name, weight.absmax.dtype.name, m_tiles, per_warp,

@@ -393,11 +393,11 @@ def test_k5_sixteen_warps_where_the_table_pays(monkeypatch):
     monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
     for tbps, one in ((3.35, 4), (4.8, 16)):
         monkeypatch.setattr(gemm, "_device_tbps", lambda tbps=tbps: tbps)
-        assert gemm._mma_warps(5, np.uint8, 1, 1, 57344, 8192) == one
-        assert gemm._mma_warps(5, np.uint8, 2, 1, 57344, 8192) == 16
-        assert gemm._mma_warps(5, np.uint8, 2, 1, 4096, 4096) == 4  # not a large layer
-        assert gemm._mma_warps(5, np.float16, 2, 1, 57344, 8192) == 4  # fp16 scales
-        assert gemm._mma_warps(5, np.uint8, 4, 1, 57344, 8192) == 4
+        assert [gemm._mma_warps(5, np.uint8, M, 1, 57344, 8192) for M in (1, 8)] == [one, one]
+        assert [gemm._mma_warps(5, np.uint8, M, 1, 57344, 8192) for M in (9, 16)] == [16, 16]
+        assert gemm._mma_warps(5, np.uint8, 16, 1, 4096, 4096) == 4  # not a large layer
+        assert gemm._mma_warps(5, np.float16, 16, 1, 57344, 8192) == 4  # fp16 scales
+        assert gemm._mma_warps(5, np.uint8, 17, 1, 57344, 8192) == 4
 
 
 def _newest_cluster_run(gpu: str) -> dict:
@@ -1198,7 +1198,7 @@ def test_eight_warp_rule_against_its_runs(monkeypatch, gpu):
             if not m:
                 continue
             K_dim, N, M, k, gain = int(m[1]), int(m[2]), int(m[3]), int(m[4]), float(m[5])
-            wide = gemm._mma_warps(k, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 8
+            wide = gemm._mma_warps(k, np.uint8, M, 1, N, K_dim) == 8
             assert gain >= 0.99 if wide else gain <= 1.04, (path.name, K_dim, N, M, k, gain)
             points += 1
     assert points >= 20, points
@@ -1280,50 +1280,91 @@ def test_a_ring_against_its_run():
     assert _jit.gemm_mma_a_stages(4, 1, 8, _jit.GEMM_MMA_RING_STAGES) == _jit.GEMM_MMA_RING_STAGES
 
 
-def test_k4_ring_variant(monkeypatch):
+def test_ring_variants(monkeypatch):
     # gemm._mma_ring: k = 4's 8-warp launch takes its ring variant at up to
-    # _K4_RING_MAX_M rows (2; 0 turns it off) on a GPU of _RING_MIN_TBPS, E4M4 scales, one
-    # row tile a warp, with enough K tiles a CTA: 8192x57344, 14336x4096 and
-    # 4096x28672 yes, 4096x6144 (about 3 a CTA on 132 SMs) no. The variant is sm_90a's
-    # (the 8-warp launch is sm_90's), compiled by the check, never folded.
+    # _K4_RING_MAX_M rows (4; 0 turns it off) and k = 5's 16-warp launch at up
+    # to _K5_RING_MAX_M (8), on a GPU of _RING_MIN_TBPS, E4M4 scales, one row
+    # tile a warp, with enough K tiles a CTA (two CTAs an SM of 8 warps, one of
+    # 16): 8192x57344, 14336x4096 and 4096x28672 yes, 4096x6144 (about 3 a CTA
+    # on 132 SMs) no. The variants are sm_90a's (the 8- and 16-warp launches
+    # are sm_90's), compiled by the check, never folded.
     from kbit_cupy import _jit, gemm
 
     monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)  # the H200
 
-    def units(N, K_dim):
-        return math.ceil(math.ceil(N / 16) / 8) * math.ceil(K_dim / 256)
+    def units(N, K_dim, warps=8):
+        return math.ceil(math.ceil(N / 16) / warps) * math.ceil(K_dim / 256)
 
-    assert gemm._K4_RING_MAX_M == 2
+    assert (gemm._K4_RING_MAX_M, gemm._K5_RING_MAX_M) == (4, 8)
     stages = _jit.GEMM_MMA_RING_STAGES
     assert stages == 8
     for N, K_dim, want in [(57344, 8192, stages), (4096, 14336, stages), (28672, 4096, stages),
                            (6144, 4096, 0)]:
-        for M in (1, 2):
-            assert gemm._mma_ring(4, np.uint8, M, 8, 1, units(N, K_dim)) == want, (N, K_dim, M)
-        assert gemm._mma_ring(4, np.uint8, 3, 8, 1, units(N, K_dim)) == 0
+        assert [gemm._mma_ring(4, np.uint8, M, 8, 1, units(N, K_dim)) for M in range(1, 6)] == \
+            [want] * 4 + [0], (N, K_dim)
+        assert [gemm._mma_ring(5, np.uint8, M, 16, 1, units(N, K_dim, 16)) for M in (1, 8, 9)] == \
+            [want, want, 0], (N, K_dim)
     big = units(57344, 8192)
     assert gemm._mma_ring(4, np.float16, 1, 8, 1, big) == 0  # fp16 scales: 4 warps
+    assert gemm._mma_ring(5, np.float16, 1, 16, 1, big) == 0
     assert gemm._mma_ring(4, np.uint8, 1, 4, 1, big) == 0
     assert gemm._mma_ring(2, np.uint8, 1, 8, 1, big) == 0  # (k = 2: _K2_RING_MAX_M, 0)
     assert gemm._mma_ring(5, np.uint8, 1, 8, 1, big) == 0
-    # k = 3's 8-warp launch (where the _K3_WIDE experiment takes it) the same
-    # at up to _K3_RING_MAX_M rows
-    assert gemm._K3_RING_MAX_M == 2
-    assert [gemm._mma_ring(3, np.uint8, M, 8, 1, big) for M in (1, 2, 3)] == [stages, stages, 0]
-    assert gemm._mma_ring(3, np.uint8, 1, 4, 1, big) == 0
+    assert gemm._mma_ring(3, np.uint8, 1, 8, 1, big) == 0  # (k = 3's ring: measured slower)
     ring = [v.args for v in _jit.all_variants() if v.family == "gemm_mma" and len(v.args) >= 10]
-    assert ring == [(k, dt, "uint8", 1, rpw, 0, False, 8, False, stages)
-                    for k in (2, 3, 4) for dt in ("float16", "bfloat16") for rpw in ((1, 2) if k == 2 else (1,))]
+    assert ring == [(k, dt, "uint8", 1, rpw, 0, False, 16 if k == 5 else 8, False, stages)
+                    for k in (2, 4, 5) for dt in ("float16", "bfloat16") for rpw in ((1, 2) if k == 2 else (1,))]
     assert all(_jit.needs_sm90a("gemm_mma", a) and _jit.cb_fold_variant("gemm_mma", a) is None for a in ring)
+    assert _jit.gemm_mma_a_stages(5, 1, 16, stages) == stages  # (without: its own 4)
     # not on a GPU below _RING_MIN_TBPS (the H100: measured on the H200 only)
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 3.35)
     assert gemm._RING_MIN_TBPS == gemm._FAST_TBPS
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0
+    assert gemm._mma_ring(5, np.uint8, 1, 16, 1, big) == 0
     monkeypatch.setattr(gemm, "_RING_MIN_TBPS", 0)
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == stages
     monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 0)
     assert gemm._mma_ring(4, np.uint8, 1, 8, 1, big) == 0
+
+
+def test_ring_rows_and_k3_warps_against_their_runs(monkeypatch):
+    # The H200's in-process A/Bs behind _K4_RING_MAX_M, _K5_RING_MAX_M and
+    # _K3_WIDE_MIN_M (kernel auto): where the rule takes the ring or 8 warps,
+    # the run had it at least 0.5% faster on every large layer (the same
+    # bits for the rings); where the rule leaves it, the run had it slower
+    # somewhere at that row count.
+    from kbit_cupy import gemm
+
+    monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
+    monkeypatch.setattr(gemm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
+    runs = [(f"define_ab_h200_k4_ring8_rows_25a51c1_{dt}.txt", "4", "gemm._K4_RING_MAX_M=8",
+             gemm._K4_RING_MAX_M) for dt in ("float16", "bfloat16")]
+    runs += [("define_ab_h200_k5_ring8_25a51c1.txt", "5", "KBIT_A_RING=8,_jit.GEMM_MMA_A_RING=8",
+              gemm._K5_RING_MAX_M)]
+    runs += [(f"define_ab_h200_k3_wide_ring_25a51c1_{dt}.txt", "3", "gemm._K3_RING_MAX_M=0", None)
+             for dt in ("float16", "bfloat16")]
+    taken, left = 0, set()
+    for name, k, label, max_m in runs:
+        by_m = {}
+        for K_dim, N, M, kk, _, gain, tail in _define_ab_points(name, k, label):
+            if max_m is None:
+                take = gemm._mma_warps(3, np.uint8, M, 1, N, K_dim) == 8
+            else:
+                warps = 16 if kk == 5 else 8
+                units = math.ceil(math.ceil(N / 16) / warps) * math.ceil(K_dim / 256)
+                take = M <= max_m and gemm._mma_ring(kk, np.uint8, M, warps, 1, units) > 0
+                assert "DIFFERENT" not in tail, (name, K_dim, N, M)
+            by_m.setdefault((M, take), []).append(gain)
+            if take:
+                assert gain >= 1.005, (name, K_dim, N, M, gain)
+                taken += 1
+        left |= {(name, M) for (M, take), gains in by_m.items() if not take and min(gains) < 0.995}
+    assert taken == 34, taken  # k = 4: 4 layers x 3, 4 rows x 2 dtypes; k = 5: 4 x 3; k = 3: 3 x 2
+    assert {("define_ab_h200_k4_ring8_rows_25a51c1_float16.txt", M) for M in (6, 8)} <= left
+    assert {(f"define_ab_h200_k3_wide_ring_25a51c1_{dt}.txt", M) for dt in ("float16", "bfloat16")
+            for M in (1, 2)} <= left
 
 
 def test_k2_ring_and_compact_stages(monkeypatch):
@@ -1450,7 +1491,7 @@ def test_wide_work_split_against_its_runs(monkeypatch):
             continue
         K_dim, N, M, k = (int(v) for v in m.groups()[:4])
         stream_us, split_us = float(m[5]), float(m[6])
-        if M > 8 or gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) != 8:
+        if M > 8 or gemm._mma_warps(k, np.uint8, M, 1, N, K_dim) != 8:
             continue
         rt_n, kt_n = gemm._tile_counts(N, K_dim)
         per_warp = 2 if gemm._k2_two_row_tiles(k, 1, 8, rt_n) else 1
@@ -1469,8 +1510,12 @@ def test_eight_warp_rule(monkeypatch):
     assert gemm._mma_warps(4, np.uint8, 1, 1, 57344, 8192) == 8
     assert gemm._mma_warps(4, np.uint8, 1, 1, 4096, 14336) == 8
     assert gemm._mma_warps(4, np.float16, 1, 1, 57344, 8192) == 4  # fp16 scales: not measured
-    assert gemm._mma_warps(3, np.uint8, 1, 1, 57344, 8192) == 4
-    assert gemm._mma_warps(4, np.uint8, 2, 1, 57344, 8192) == 4  # two n8 tiles
+    # k = 3: from _K3_WIDE_MIN_M (3) rows to one n8 tile, where K_dim >= 8192
+    assert gemm._K3_WIDE_MIN_M == 3
+    assert [gemm._mma_warps(3, np.uint8, M, 1, 57344, 8192) for M in (1, 2, 3, 8, 9)] == [4, 4, 8, 8, 4]
+    assert gemm._mma_warps(3, np.uint8, 4, 1, 4096, 14336) == 8
+    assert gemm._mma_warps(3, np.uint8, 4, 1, 28672, 4096) == 4  # K_dim 4096
+    assert gemm._mma_warps(4, np.uint8, 9, 1, 57344, 8192) == 4  # two n8 tiles
     assert gemm._mma_warps(4, np.uint8, 1, 1, 6144, 4096) == 4  # mid layer
     monkeypatch.setattr(gemm, "has_wgmma", lambda: False)
     assert gemm._mma_warps(4, np.uint8, 1, 1, 57344, 8192) == 4  # sm_80: not measured

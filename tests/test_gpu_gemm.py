@@ -633,12 +633,13 @@ def test_wgmma_small_sweep_without_m_chunks(monkeypatch, dtype, k):
         run_case(M, N, K_dim, k, dtype, "wgmma")
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("split", ["stream-k", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
     """k = 4 (and k = 2 with its byte table, _jit.GEMM_K2_QUAD_TABLE, where
-    K_dim >= 8192; with two row tiles a warp on wide_n), E4M4, M <= 8 on a
+    K_dim >= 8192; with two row tiles a warp on wide_n; k = 3 there from 3
+    rows, gemm._K3_WIDE_MIN_M), E4M4, M <= 8 on a
     large layer: 8 warps per CTA (gemm.py _mma_warps) over row
     tiles that leave the last group short (3 row tiles, 1025, 66), under both
     work splits; exact to the reference, every element written, the same bits
@@ -654,8 +655,9 @@ def test_eight_warp_mma_launch(monkeypatch, dtype, split, k):
     wide_n = 32 * sms + 80  # 2 x SMs + 5 row tiles: k = 2 two row tiles a warp
     for M, N, K_dim in [(1, 40, 8192), (3, 16400, 256), (8, 1040, 8448), (5, 40, 16384),
                         (4, wide_n, 8192)]:
-        wide = k == 4 or (_jit.GEMM_K2_QUAD_TABLE and K_dim >= gemm._K2_WIDE_MIN_K_DIM)
-        assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == (8 if wide else 4), (N, K_dim)
+        wide = k == 4 or (K_dim >= gemm._K2_WIDE_MIN_K_DIM
+                          and (_jit.GEMM_K2_QUAD_TABLE if k == 2 else M >= gemm._K3_WIDE_MIN_M))
+        assert gemm._mma_warps(k, np.uint8, M, 1, N, K_dim) == (8 if wide else 4), (N, K_dim)
         two = gemm._k2_two_row_tiles(k, 1, 8 if wide else 4, (N + 15) // 16)
         assert two == (k == 2 and N == wide_n and bool(gemm._K2_RPW2)), (k, N, K_dim)
         w, A, C = run_case(M, N, K_dim, k, dtype, "mma", seed=N)
@@ -688,7 +690,7 @@ def test_a_copied_by_four_warps_same_bits(monkeypatch, dtype):
     for kernel, k, M, N, K_dim in cases:
         m_tiles = 1 if M <= 8 else 2
         if kernel == "mma":
-            assert gemm._mma_warps(k, np.uint8, m_tiles, 1, N, K_dim) in (8, 16), (k, M, N, K_dim)
+            assert gemm._mma_warps(k, np.uint8, M, 1, N, K_dim) in (8, 16), (k, M, N, K_dim)
         else:
             assert gemm._wg_warpgroups(m_tiles, k, (N + 15) // 16, K_dim // 256) == 4, (k, M, N)
     results = [run_case(M, N, K_dim, k, dtype, kernel, seed=M)[2] for kernel, k, M, N, K_dim in cases]
@@ -709,12 +711,13 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
     (K_dim = 256) and CTAs that run across groups (stream-K) or stop inside one
     (split K): close to the reference, every element written, and the same bits
     as two stages and a barrier a tile (-DKBIT_A_RING=0). k = 4's 8-warp ring
-    variant (gemm._mma_ring, taken at up to 2 rows) at 1 and 2 rows: the same
-    bits as without (gemm._K4_RING_MAX_M = 0), and k = 3's where the _K3_WIDE
-    experiment gives it 8 warps; both rings, with their stages
-    refilled, the same bits over 16 repeats. Then the ring forced (3 and 4
-    stages) on the 4- and 8-warp launches of k = 2..4: close to the
-    reference, every element written, the same bits twice."""
+    variant (gemm._mma_ring, taken at up to 4 rows) at 1..4 rows: the same
+    bits as without (gemm._K4_RING_MAX_M = 0), and k = 5's 16-warp launch
+    with the variant's 8 stages at 1, 5, 8 rows the same as with its own 4;
+    the rings, with their stages refilled, the same bits over 16 repeats.
+    Then the ring forced (3 and 4 stages) on the 4- and 8-warp launches of k
+    = 2..4: close to the reference, every element written, the same bits
+    twice."""
     import cupy as cp
 
     from kbit_cupy import _jit, gemm
@@ -724,13 +727,13 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)  # k = 5's 16 warps at one n8 tile
     cases = [(1, 40, 8192), (3, 16400, 256), (7, 1040, 8448), (13, 16400, 512), (16, 40, 16384)]
     for M, N, K_dim in cases:
-        assert gemm._mma_warps(5, np.uint8, 1 if M <= 8 else 2, 1, N, K_dim) == 16, (M, N, K_dim)
+        assert gemm._mma_warps(5, np.uint8, M, 1, N, K_dim) == 16, (M, N, K_dim)
         assert _jit.gemm_mma_a_stages(5, 1 if M <= 8 else 2, 16) == 4
     results = [run_case(M, N, K_dim, 5, dtype, "mma", seed=M)[2] for M, N, K_dim in cases]
     # k = 4's 8-warp launch with its ring variant (gemm._mma_ring, taken at
-    # 1..2 rows): the same bits as without (the same CTAs an SM, the same split)
-    for M, N, K_dim in [(1, 16400, 4096), (2, 16400, 4096)]:
-        assert gemm._mma_warps(4, np.uint8, 1, 1, N, K_dim) == 8
+    # 1..4 rows): the same bits as without (the same CTAs an SM, the same split)
+    for M, N, K_dim in [(1, 16400, 4096), (2, 16400, 4096), (3, 16400, 4096), (4, 16400, 4096)]:
+        assert gemm._mma_warps(4, np.uint8, M, 1, N, K_dim) == 8
         units = math.ceil(math.ceil(N / 16) / 8) * math.ceil(K_dim / 256)
         assert gemm._mma_ring(4, np.uint8, M, 8, 1, units) == _jit.GEMM_MMA_RING_STAGES
         ring = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
@@ -738,34 +741,37 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
         assert gemm._mma_ring(4, np.uint8, M, 8, 1, units) == 0
         C = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
         assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
-        monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 2)
-    # k = 3's 8-warp launch (the _K3_WIDE experiment) with its ring at 1 and
-    # 2 rows: the same bits as without (gemm._K3_RING_MAX_M = 0)
-    monkeypatch.setattr(gemm, "_K3_WIDE", 1)
-    for M in (1, 2):
-        assert gemm._mma_warps(3, np.uint8, 1, 1, 16400, 8192) == 8
-        units = math.ceil(math.ceil(16400 / 16) / 8) * 8192 // 256
-        assert gemm._mma_ring(3, np.uint8, M, 8, 1, units) == _jit.GEMM_MMA_RING_STAGES
-        ring = run_case(M, 16400, 8192, 3, dtype, "mma", seed=M)[2]
-        monkeypatch.setattr(gemm, "_K3_RING_MAX_M", 0)
-        C = run_case(M, 16400, 8192, 3, dtype, "mma", seed=M)[2]
-        assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (3, M)
-        monkeypatch.setattr(gemm, "_K3_RING_MAX_M", 2)
-    monkeypatch.setattr(gemm, "_K3_WIDE", 0)
-    # Each stage refilled about once a CTA (k = 4: about 16 K tiles a CTA, 8
-    # stages; k = 5: 8, 4 stages): the same bits over repeats. (racecheck
+        monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 4)
+    # k = 5's 16-warp launch with the ring variant's 8 stages (gemm._mma_ring,
+    # taken at 1..8 rows) at 1, 5 and 8 rows: the same bits as with its own 4
+    # (gemm._K5_RING_MAX_M = 0)
+    for M in (1, 5, 8):
+        assert gemm._mma_warps(5, np.uint8, M, 1, 16400, 8192) == 16
+        units = math.ceil(math.ceil(16400 / 16) / 16) * 8192 // 256
+        assert gemm._mma_ring(5, np.uint8, M, 16, 1, units) == _jit.GEMM_MMA_RING_STAGES
+        ring = run_case(M, 16400, 8192, 5, dtype, "mma", seed=M)[2]
+        monkeypatch.setattr(gemm, "_K5_RING_MAX_M", 0)
+        C = run_case(M, 16400, 8192, 5, dtype, "mma", seed=M)[2]
+        assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (5, M)
+        monkeypatch.setattr(gemm, "_K5_RING_MAX_M", 8)
+    # Each stage refilled about once a CTA or more (8 stages; k = 5 at 12 rows,
+    # two n8 tiles: its own 4): the same bits over repeats. (racecheck
     # cannot check the stages' hand-over: it reports the mbarrier-ordered
     # refills as hazards, benchmarks/racecheck_mbarrier_probe.py.)
-    for k, K_dim in [(4, 8192), (5, 4096)]:
-        assert gemm._mma_warps(k, np.uint8, 1, 1, 16400, K_dim) == (8 if k == 4 else 16)
-        units = math.ceil(math.ceil(16400 / 16) / (8 if k == 4 else 16)) * K_dim // 256
+    for k, M, K_dim in [(4, 1, 8192), (5, 1, 8192), (5, 12, 4096)]:
+        warps = 8 if k == 4 else 16
+        assert gemm._mma_warps(k, np.uint8, M, 1, 16400, K_dim) == warps
+        units = math.ceil(math.ceil(16400 / 16) / warps) * K_dim // 256
         ctas = (2 if k == 4 else 1) * cp.cuda.Device().attributes["MultiProcessorCount"]
-        assert units >= 1.5 * ctas * (_jit.GEMM_MMA_RING_STAGES if k == 4 else 4), (k, units)
-        w, A, C = run_case(1, 16400, K_dim, k, dtype, "mma", seed=k)
+        stages = _jit.gemm_mma_a_stages(k, 1 if M <= 8 else 2, warps,
+                                        gemm._mma_ring(k, np.uint8, M, warps, 1, units))
+        assert stages == (4 if M > 8 else _jit.GEMM_MMA_RING_STAGES), (k, M)
+        assert units >= 1.5 * ctas * stages, (k, units)
+        w, A, C = run_case(M, 16400, K_dim, k, dtype, "mma", seed=k)
         A = cp.asarray(A)
         for _ in range(16):
             again = kbit_gemm(A, w, kernel="mma")
-            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), k
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (k, M)
     options = _jit.compile_options
     monkeypatch.setattr(_jit, "compile_options", lambda: (*options(), "-DKBIT_A_RING=0"))
     monkeypatch.setattr(_jit, "GEMM_MMA_A_RING", 0)
@@ -789,9 +795,8 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compact_ring_stages(monkeypatch, kernels_built_with, dtype, split):
     """The RING variants built with KBIT_A_COMPACT=1 (an A/B knob: stages of 2
-    rows of A, rows past M read from row M - 1): k = 3 (8 warps, the _K3_WIDE
-    experiment) and k = 4 at 1 and 2 rows give the same bits as their full
-    stages; k = 2's ring (gemm._K2_RING_MAX_M, off by default) at one and two
+    rows of A, rows past M read from row M - 1): k = 4 at 1 and 2 rows gives
+    the same bits as its full stages; k = 2's ring (gemm._K2_RING_MAX_M, off by default) at one and two
     row tiles a warp is close to the reference, every element written; each
     the same bits over 8 repeats, with every stage refilled."""
     import cupy as cp
@@ -801,15 +806,14 @@ def test_compact_ring_stages(monkeypatch, kernels_built_with, dtype, split):
     needs_kernel("wgmma")  # the 8-warp launches are taken on sm_90 only
     monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)  # (the rings' bandwidth gate)
-    monkeypatch.setattr(gemm, "_K3_WIDE", 1)
     monkeypatch.setattr(gemm, "_K2_RING_MAX_M", 2)
     # k = 2: two row tiles a warp on 16400 rows (1025 row tiles, two for each
     # SM's), one on 4112 (257), each with enough K tiles a CTA for the ring
-    cases = [(k, M, 16400, 8192) for k in (3, 4) for M in (1, 2)]
+    cases = [(4, M, 16400, 8192) for M in (1, 2)]
     cases += [(2, M, N, K_dim) for M in (1, 2) for N, K_dim in [(16400, 8192), (4112, 16384)]]
     full = {}
     for k, M, N, K_dim in cases:
-        assert gemm._mma_warps(k, np.uint8, 1, 1, N, K_dim) == 8, (k, N)
+        assert gemm._mma_warps(k, np.uint8, M, 1, N, K_dim) == 8, (k, N)
         if k != 2:
             full[k, M] = run_case(M, N, K_dim, k, dtype, "mma", seed=M)[2]
     kernels_built_with("-DKBIT_A_COMPACT=1")
@@ -848,12 +852,12 @@ def test_sixteen_warp_k5_launch(monkeypatch, dtype, split):
         m_tiles = 1 if M <= 8 else 2
         if m_tiles == 1 and gemm.device_tbps() < gemm._FAST_TBPS:  # (at one n8 tile: 4 TB/s)
             monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
-        assert gemm._mma_warps(5, np.uint8, m_tiles, 1, N, K_dim) == 16, (M, N, K_dim)
+        assert gemm._mma_warps(5, np.uint8, M, 1, N, K_dim) == 16, (M, N, K_dim)
         w, A, C = run_case(M, N, K_dim, 5, dtype, "mma", seed=N)
         again = kbit_gemm(cp.asarray(A), w, kernel="mma")
         assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
         monkeypatch.setattr(gemm, "_K5_TABLE", 0)
-        assert gemm._mma_warps(5, np.uint8, m_tiles, 1, N, K_dim) == 4
+        assert gemm._mma_warps(5, np.uint8, M, 1, N, K_dim) == 4
         run_case(M, N, K_dim, 5, dtype, "mma", seed=N)
         monkeypatch.setattr(gemm, "_K5_TABLE", 1)
 
