@@ -615,7 +615,7 @@ case "${1:-}" in
     done
     run 120 sanitize_wide_mma_memcheck_${tag}_compact_ring_${commit}.txt compute-sanitizer --tool memcheck \
       python benchmarks/sanitize_wide_mma.py --ring --define=$C,gemm._K2_RING_MAX_M=2 ;;
-  rows-ab)  # as taken: k = 4's ring at up to 4 rows, k = 5's ring variant (8 stages) at up to 8, k = 3's 8 warps from 3 rows, against the rules before (2, none, never); memcheck of the rings
+  rows-ab)  # (run at 50eb206, k = 5's 8 stages then on, since off) as taken: k = 4's ring at up to 4 rows, k = 5's ring variant (8 stages) at up to 8, k = 3's 8 warps from 3 rows, against the rules before (2, none, never); memcheck of the rings
     warm "" gemm_mma gemm_latency gemm_lut
     run 240 define_ab_${tag}_rows_old_${commit}.txt python benchmarks/define_ab.py \
       --define gemm._K4_RING_MAX_M=2,gemm._K5_RING_MAX_M=0,gemm._K3_WIDE_MIN_M=65 \

@@ -5,7 +5,7 @@ usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py
 The 8-warp launch at M <= 8: k = 4 (with its ring of A's stages at 1..4
 rows, gemm._mma_ring; k = 2's ring where gemm._K2_RING_MAX_M asks), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
 (K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
-(gemm._K5_TABLE) at M <= 16 (with the ring variant's stages at 1 and 8 rows);
+(gemm._K5_TABLE) at M <= 16 (with the ring variant's 8 stages where its knob asks);
 the Hopper path's four-warpgroup launch at 6..16
 rows. E4M4, large-layer shapes (one short group,
 several), both work splits, fp16 and bf16; each result checked finite
@@ -59,7 +59,8 @@ RING_LAYERS = {(16400, 8192), (4112, 16384)}
 cases += [(5, M, N, K_dim) for M, N, K_dim in [(1, 40, 8192), (8, 1040, 8448), (9, 16400, 256),
                                                (13, 16400, 256), (16, 40, 16384)]
           if gemm._mma_warps(5, np.uint8, M, 1, N, K_dim) == 16]
-# ... and its ring variant's 8 stages (gemm._mma_ring: 1..8 rows, enough K tiles a CTA)
+# ... and its ring variant's 8 stages where gemm._K5_RING_MAX_M asks (off by default:
+# --define=gemm._K5_RING_MAX_M=8; 1..8 rows, enough K tiles a CTA)
 cases += [(5, M, 16400, 8192) for M in (1, 8)
           if gemm._mma_warps(5, np.uint8, M, 1, 16400, 8192) == 16
           and gemm._mma_ring(5, np.uint8, M, 16, 1, math.ceil(16400 / 16 / 16) * (8192 // 256))

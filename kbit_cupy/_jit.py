@@ -117,7 +117,7 @@ def all_variants() -> list[Variant]:
                     if k == 5 and scale == "uint8":  # 16 warps and the 128 KB pair table
                         for m_tiles in (1, 2):
                             out.append(Variant("gemm_mma", (k, dtype, scale, m_tiles, 1, 0, False, 16)))
-                        # one n8 tile with the ring variant's stages (gemm._mma_ring)
+                        # one n8 tile with the ring variant's stages (gemm._K5_RING_MAX_M: an A/B knob, off)
                         out.append(Variant("gemm_mma", (k, dtype, scale, 1, 1, 0, False, 16, False,
                                                         GEMM_MMA_RING_STAGES)))
                     wg_tiles = gemm_wg_m_tiles(k, scale)

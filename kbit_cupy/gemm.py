@@ -1323,14 +1323,16 @@ def _work_split(groups: int, k_tiles: int, slots: int, sms: int,
 # (_RING_MIN_TBPS below).
 _K4_RING_MAX_M = 4
 # k = 5's 16-warp launch (one CTA an SM) has a ring of 4 stages of its own; at
-# up to this many rows it takes the ring variant's 8 instead where a CTA has
-# _RING_MIN_TILES_PER_CTA K tiles or more. H200, kernel auto, in one process,
-# 8 stages against 4 (define_ab_h200_k5_ring8_25a51c1.txt, fp16), M = 1 / 4 /
-# 8: 8192x57344 1.014 / 1.014 / 1.020x, 28672x8192 1.021 / 1.016 / 1.021x,
-# 4096x28672 1.008 / 1.013 / 1.014x, 14336x4096 1.015 / 1.019 / 1.021x; at 12
-# and 16 rows (two n8 tiles) 0.999-1.002x; 4096x6144 (3 K tiles a CTA) 0.988
-# / 0.981 / 1.030x: not taken there.
-_K5_RING_MAX_M = 8
+# up to this many rows (0: never) it takes the ring variant's 8 instead where
+# a CTA has _RING_MIN_TILES_PER_CTA K tiles or more. Off: H200, kernel auto,
+# in one process, 8 stages against 4, M = 1 / 4 / 8: built with
+# -DKBIT_A_RING=8 (define_ab_h200_k5_ring8_25a51c1.txt) 8192x57344 1.014 /
+# 1.014 / 1.020x, 28672x8192 1.016-1.021x, 4096x28672 1.008-1.014x,
+# 14336x4096 1.015-1.021x; as this variant, twice, 8192x57344 0.987-0.995x
+# (define_ab_h200_rows_old_50eb206.txt) and 0.993-0.996x
+# (define_ab_h200_k5_ring8_again_50eb206.txt, the same variant twice within
+# 0.4%), the others 0.99-1.01x: no gain that holds.
+_K5_RING_MAX_M = 0
 # k = 2's 8-warp launch (its 64 KB byte table, one or two row tiles a warp)
 # with the same ring at up to this many rows (0: never). Four full stages
 # beside the byte table cost a CTA an SM (three to two,
@@ -1353,9 +1355,9 @@ _RING_MIN_TBPS = _FAST_TBPS
 def _mma_ring(k: int, scale_dtype, M: int, warps: int, per_warp: int, units: int) -> int:
     """The RING template argument of the dense mma.sync launch (0: none; k =
     5's 16-warp launch then has its own ring of 4): k = 4's 8-warp launch at
-    up to _K4_RING_MAX_M rows, k = 5's 16-warp launch at up to _K5_RING_MAX_M
-    (k = 2's 8-warp launch, one or two row tiles a warp, at up to
-    _K2_RING_MAX_M) with ``units`` (groups x K tiles) of at least
+    up to _K4_RING_MAX_M rows (k = 5's 16-warp launch at up to _K5_RING_MAX_M,
+    k = 2's 8-warp launch, one or two row tiles a warp, at up to
+    _K2_RING_MAX_M: both off) with ``units`` (groups x K tiles) of at least
     _RING_MIN_TILES_PER_CTA per CTA (two CTAs an SM of 8 warps, one of 16),
     on a GPU of _RING_MIN_TBPS or more."""
     if k == 5 and warps == 16:

@@ -560,8 +560,8 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   // extra stages leave fewer CTAs an SM).
   // The template argument RING = S >= 3 asks for a ring of S stages where
   // the host wants one (gemm._mma_ring, on layers of many K tiles a CTA, on a
-  // GPU of 4 TB/s or more: k = 4's 8-warp launch at 1..4 rows, k = 5's
-  // 16-warp launch at 1..8 rows with 8 stages instead of its own 4).
+  // GPU of 4 TB/s or more: k = 4's 8-warp launch at 1..4 rows; k = 5's
+  // 16-warp launch with 8 stages instead of its own 4 under an A/B knob).
   // KBIT_A_RING = S (an A/B knob; -1, the default: the above): S >= 3 a ring
   // of S stages (tile t + S - 2 in flight) on every dense mma.sync launch at
   // up to two n8 tiles, 0 none. gemm.py sizes the stages by

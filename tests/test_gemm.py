@@ -1282,8 +1282,8 @@ def test_a_ring_against_its_run():
 
 def test_ring_variants(monkeypatch):
     # gemm._mma_ring: k = 4's 8-warp launch takes its ring variant at up to
-    # _K4_RING_MAX_M rows (4; 0 turns it off) and k = 5's 16-warp launch at up
-    # to _K5_RING_MAX_M (8), on a GPU of _RING_MIN_TBPS, E4M4 scales, one row
+    # _K4_RING_MAX_M rows (4; 0 turns it off), and k = 5's 16-warp launch at
+    # up to _K5_RING_MAX_M (an A/B knob, 0: off) where it is set, on a GPU of _RING_MIN_TBPS, E4M4 scales, one row
     # tile a warp, with enough K tiles a CTA (two CTAs an SM of 8 warps, one of
     # 16): 8192x57344, 14336x4096 and 4096x28672 yes, 4096x6144 (about 3 a CTA
     # on 132 SMs) no. The variants are sm_90a's (the 8- and 16-warp launches
@@ -1296,7 +1296,9 @@ def test_ring_variants(monkeypatch):
     def units(N, K_dim, warps=8):
         return math.ceil(math.ceil(N / 16) / warps) * math.ceil(K_dim / 256)
 
-    assert (gemm._K4_RING_MAX_M, gemm._K5_RING_MAX_M) == (4, 8)
+    assert (gemm._K4_RING_MAX_M, gemm._K5_RING_MAX_M) == (4, 0)
+    assert gemm._mma_ring(5, np.uint8, 1, 16, 1, units(57344, 8192, 16)) == 0
+    monkeypatch.setattr(gemm, "_K5_RING_MAX_M", 8)
     stages = _jit.GEMM_MMA_RING_STAGES
     assert stages == 8
     for N, K_dim, want in [(57344, 8192, stages), (4096, 14336, stages), (28672, 4096, stages),
@@ -1329,11 +1331,12 @@ def test_ring_variants(monkeypatch):
 
 
 def test_ring_rows_and_k3_warps_against_their_runs(monkeypatch):
-    # The H200's in-process A/Bs behind _K4_RING_MAX_M, _K5_RING_MAX_M and
-    # _K3_WIDE_MIN_M (kernel auto): where the rule takes the ring or 8 warps,
-    # the run had it at least 0.5% faster on every large layer (the same
-    # bits for the rings); where the rule leaves it, the run had it slower
-    # somewhere at that row count.
+    # The H200's in-process A/Bs behind _K4_RING_MAX_M and _K3_WIDE_MIN_M
+    # (kernel auto): where the rule takes the ring or 8 warps, the run had it
+    # at least 0.5% faster on every large layer (the same bits for the ring);
+    # where the rule leaves it, the run had it slower somewhere at that row
+    # count. k = 5's 8 stages (_K5_RING_MAX_M, off): as the variant, two runs
+    # had them slower at every row count on 8192x57344.
     from kbit_cupy import gemm
 
     monkeypatch.setattr(gemm, "has_wgmma", lambda: True)
@@ -1341,8 +1344,6 @@ def test_ring_rows_and_k3_warps_against_their_runs(monkeypatch):
     monkeypatch.setattr(gemm, "_device_tbps", lambda: 4.8)
     runs = [(f"define_ab_h200_k4_ring8_rows_25a51c1_{dt}.txt", "4", "gemm._K4_RING_MAX_M=8",
              gemm._K4_RING_MAX_M) for dt in ("float16", "bfloat16")]
-    runs += [("define_ab_h200_k5_ring8_25a51c1.txt", "5", "KBIT_A_RING=8,_jit.GEMM_MMA_A_RING=8",
-              gemm._K5_RING_MAX_M)]
     runs += [(f"define_ab_h200_k3_wide_ring_25a51c1_{dt}.txt", "3", "gemm._K3_RING_MAX_M=0", None)
              for dt in ("float16", "bfloat16")]
     taken, left = 0, set()
@@ -1361,7 +1362,16 @@ def test_ring_rows_and_k3_warps_against_their_runs(monkeypatch):
                 assert gain >= 1.005, (name, K_dim, N, M, gain)
                 taken += 1
         left |= {(name, M) for (M, take), gains in by_m.items() if not take and min(gains) < 0.995}
-    assert taken == 34, taken  # k = 4: 4 layers x 3, 4 rows x 2 dtypes; k = 5: 4 x 3; k = 3: 3 x 2
+    assert taken == 22, taken  # k = 4: 4 layers x 3, 4 rows x 2 dtypes; k = 3: 3 x 2
+    assert gemm._K5_RING_MAX_M == 0
+    old = "gemm._K4_RING_MAX_M=2,gemm._K5_RING_MAX_M=0,gemm._K3_WIDE_MIN_M=65"
+    for name, label in [("define_ab_h200_rows_old_50eb206.txt", old),
+                        ("define_ab_h200_k5_ring8_again_50eb206.txt", "gemm._K5_RING_MAX_M=0")]:
+        # (default: 8 stages at 50eb206; the variant: 4)
+        eight_over_four = [gain for K_dim, N, M, _, _, gain, _ in _define_ab_points(name, "5", label)
+                           if (K_dim, N) == (8192, 57344)]
+        assert len(eight_over_four) >= 3 and min(eight_over_four) > 1.0, \
+            (name, eight_over_four)
     assert {("define_ab_h200_k4_ring8_rows_25a51c1_float16.txt", M) for M in (6, 8)} <= left
     assert {(f"define_ab_h200_k3_wide_ring_25a51c1_{dt}.txt", M) for dt in ("float16", "bfloat16")
             for M in (1, 2)} <= left

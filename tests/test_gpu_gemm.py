@@ -713,7 +713,8 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
     as two stages and a barrier a tile (-DKBIT_A_RING=0). k = 4's 8-warp ring
     variant (gemm._mma_ring, taken at up to 4 rows) at 1..4 rows: the same
     bits as without (gemm._K4_RING_MAX_M = 0), and k = 5's 16-warp launch
-    with the variant's 8 stages at 1, 5, 8 rows the same as with its own 4;
+    with the variant's 8 stages (an A/B knob) at 1, 5, 8 rows the same as
+    with its own 4;
     the rings, with their stages refilled, the same bits over 16 repeats.
     Then the ring forced (3 and 4 stages) on the 4- and 8-warp launches of k
     = 2..4: close to the reference, every element written, the same bits
@@ -742,10 +743,12 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
         C = run_case(M, N, K_dim, 4, dtype, "mma", seed=M)[2]
         assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (M, N, K_dim)
         monkeypatch.setattr(gemm, "_K4_RING_MAX_M", 4)
-    # k = 5's 16-warp launch with the ring variant's 8 stages (gemm._mma_ring,
-    # taken at 1..8 rows) at 1, 5 and 8 rows: the same bits as with its own 4
-    # (gemm._K5_RING_MAX_M = 0)
+    # k = 5's 16-warp launch with the ring variant's 8 stages (an A/B knob,
+    # gemm._K5_RING_MAX_M, off; set here and for the repeats below) at 1, 5
+    # and 8 rows: the same bits as with its own 4
+    assert gemm._K5_RING_MAX_M == 0
     for M in (1, 5, 8):
+        monkeypatch.setattr(gemm, "_K5_RING_MAX_M", 8)
         assert gemm._mma_warps(5, np.uint8, M, 1, 16400, 8192) == 16
         units = math.ceil(math.ceil(16400 / 16) / 16) * 8192 // 256
         assert gemm._mma_ring(5, np.uint8, M, 16, 1, units) == _jit.GEMM_MMA_RING_STAGES
@@ -753,25 +756,26 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
         monkeypatch.setattr(gemm, "_K5_RING_MAX_M", 0)
         C = run_case(M, 16400, 8192, 5, dtype, "mma", seed=M)[2]
         assert (ring.view(cp.uint16) == C.view(cp.uint16)).all(), (5, M)
-        monkeypatch.setattr(gemm, "_K5_RING_MAX_M", 8)
-    # Each stage refilled about once a CTA or more (8 stages; k = 5 at 12 rows,
-    # two n8 tiles: its own 4): the same bits over repeats. (racecheck
+    # Each stage refilled about once a CTA or more (k = 4: 8 stages; k = 5: its
+    # own 4, and the knob's 8): the same bits over repeats. (racecheck
     # cannot check the stages' hand-over: it reports the mbarrier-ordered
     # refills as hazards, benchmarks/racecheck_mbarrier_probe.py.)
-    for k, M, K_dim in [(4, 1, 8192), (5, 1, 8192), (5, 12, 4096)]:
+    for k, M, K_dim, k5_ring in [(4, 1, 8192, 0), (5, 1, 4096, 0), (5, 12, 4096, 0), (5, 1, 8192, 8)]:
+        monkeypatch.setattr(gemm, "_K5_RING_MAX_M", k5_ring)
         warps = 8 if k == 4 else 16
         assert gemm._mma_warps(k, np.uint8, M, 1, 16400, K_dim) == warps
         units = math.ceil(math.ceil(16400 / 16) / warps) * K_dim // 256
         ctas = (2 if k == 4 else 1) * cp.cuda.Device().attributes["MultiProcessorCount"]
         stages = _jit.gemm_mma_a_stages(k, 1 if M <= 8 else 2, warps,
                                         gemm._mma_ring(k, np.uint8, M, warps, 1, units))
-        assert stages == (4 if M > 8 else _jit.GEMM_MMA_RING_STAGES), (k, M)
+        assert stages == (4 if k == 5 and not k5_ring else _jit.GEMM_MMA_RING_STAGES), (k, M)
         assert units >= 1.5 * ctas * stages, (k, units)
         w, A, C = run_case(M, 16400, K_dim, k, dtype, "mma", seed=k)
         A = cp.asarray(A)
         for _ in range(16):
             again = kbit_gemm(A, w, kernel="mma")
             assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (k, M)
+    monkeypatch.setattr(gemm, "_K5_RING_MAX_M", 0)
     options = _jit.compile_options
     monkeypatch.setattr(_jit, "compile_options", lambda: (*options(), "-DKBIT_A_RING=0"))
     monkeypatch.setattr(_jit, "GEMM_MMA_A_RING", 0)
