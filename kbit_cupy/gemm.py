@@ -1429,8 +1429,8 @@ _K2_RPW2 = 1  # k = 2's two row tiles a warp where _k2_two_row_tiles says (0: ne
 # never). H200 against 4 warps at M = 1 / 4 / 8 (define_ab_h200_k35_wide_mma_2355ab4.txt):
 # 8192x57344 -1.1 / +1.0 / +3.6%, 28672x8192 -1.4 / +0.8 / +1.7%, 14336x4096
 # +2.6..3.0%; again at M = 1 / 2 / 4, kernel auto, fp16 and bf16
-# (define_ab_h200_k3_wide_ring_25a51c1_*.txt): 8192x57344 0.98-0.99 / 0.99 /
-# 1.01x, 28672x8192 0.985 / 0.994 / 1.01x, 14336x4096 0.999-1.01 / 1.006-1.012
+# (define_ab_h200_k3_wide_ring_25a51c1_*.txt): 8192x57344 0.98 / 0.99 /
+# 1.01-1.02x, 28672x8192 0.985-0.987 / 0.994-0.997 / 1.007-1.012x, 14336x4096 0.999-1.01 / 1.006-1.012
 # / 1.034-1.038x (4096x28672: 4 warps, K_dim < _K2_WIDE_MIN_K_DIM). H100, 8
 # warps against 4 at a4fd5c1 (define_ab_h100_mma_warps_*_a4fd5c1.txt): M = 4 /
 # 8 8192x57344 1.008 / 1.013x, 14336x4096 1.016 / 1.028x. So from 3 rows. (Its
