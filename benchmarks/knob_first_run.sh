@@ -70,6 +70,10 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh rows-ab    # k = 4's ring at 3..4 rows, k = 5's 8 stages, k = 3's
 #       8 warps from 3 rows as taken, against the rules before; memcheck of the rings (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh rows-check # their GPU tests (~7 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k4-ring-rows-more # k = 4's ring at 5..8 rows on more layers
+#       of few row tiles (14336x4096 gained 5% there, the wide layers lost 1-1.7%), fp16 and bf16 (~6 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k5-m16-ncu # stall samples of k = 5's 16-warp launch at 8 and 16
+#       rows (one and two n8 tiles: 8-10% slower at two) on 8192x57344 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -615,6 +619,17 @@ case "${1:-}" in
     done
     run 120 sanitize_wide_mma_memcheck_${tag}_compact_ring_${commit}.txt compute-sanitizer --tool memcheck \
       python benchmarks/sanitize_wide_mma.py --ring --define=$C,gemm._K2_RING_MAX_M=2 ;;
+  k4-ring-rows-more)  # k = 4's ring at up to 8 rows (gemm._K4_RING_MAX_M=8) against up to 4, at 5..8 rows, on layers of 28..64 groups of row tiles and the wide ones
+    warm "" gemm_mma gemm_latency gemm_lut
+    for dt in float16 bfloat16; do
+      run 200 define_ab_${tag}_k4_ring_rows_more_${commit}_${dt}.txt python benchmarks/define_ab.py \
+        --define gemm._K4_RING_MAX_M=8 --dtype $dt \
+        --layers 14336x4096 13824x5120 18944x3584 28672x8192 8192x28672 8192x57344 --m 5 6 8 --k 4
+    done ;;
+  k5-m16-ncu)  # per-instruction stall samples of k = 5's 16-warp launch at one n8 tile (M = 8) and two (M = 16)
+    for m in 8 16; do
+      ncu_source ncu_source_mma16_8192x57344_M${m}_k5_${tag}_${commit} "" 8192 57344 $m 5 mma
+    done ;;
   rows-ab)  # (run at 50eb206, k = 5's 8 stages then on, since off) as taken: k = 4's ring at up to 4 rows, k = 5's ring variant (8 stages) at up to 8, k = 3's 8 warps from 3 rows, against the rules before (2, none, never); memcheck of the rings
     warm "" gemm_mma gemm_latency gemm_lut
     run 240 define_ab_${tag}_rows_old_${commit}.txt python benchmarks/define_ab.py \
