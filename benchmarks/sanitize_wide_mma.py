@@ -3,13 +3,13 @@
 usage: compute-sanitizer --tool racecheck python benchmarks/sanitize_wide_mma.py [--quick] [--k5] [--ring]
        [--define=NAME=VALUE[,NAME=VALUE]] (define_ab.py's syntax; benchmarks on PYTHONPATH)
 The 8-warp launch at M <= 8: k = 4 (with its ring of A's stages at 1..4
-rows, gemm._mma_ring; k = 2's ring where gemm._K2_RING_MAX_M asks), and k = 2 where _jit.GEMM_K2_QUAD_TABLE
-(K_dim >= 8192, also with two row tiles a warp); the 16-warp k = 5 launch
-(gemm._K5_TABLE) at M <= 16 (with the ring variant's 8 stages where its knob asks);
-the Hopper path's four-warpgroup launch at 6..16
-rows. E4M4, large-layer shapes (one short group,
-several), both work splits, fp16 and bf16; each result checked finite
-(poisoned output).
+rows, gemm._mma_ring; k = 2's ring where gemm._K2_RING_MAX_M asks), and k =
+2 where _jit.GEMM_K2_QUAD_TABLE (K_dim >= 8192, also with two row tiles a
+warp); the 16-warp k = 5 launch (gemm._K5_TABLE) at M <= 16 (with the ring
+variant's 8 stages where its knob asks); the Hopper path's four-warpgroup
+launch at 6..16 rows. E4M4, large-layer shapes (one short group, several),
+both work splits, fp16 and bf16; each result checked finite (poisoned
+output). (k = 3's 8-warp launch, from 3 rows, is not among them.)
 
 racecheck and the rings (--ring, and k = 5's launches where a CTA has more K
 tiles than stages): racecheck (2025.3) reports every refill of a stage as a
@@ -72,7 +72,8 @@ ring_only = "--ring" in sys.argv[1:]
 # --ring also the rings at 1..4 rows), split K, fp16
 quick = "--quick" in sys.argv[1:]
 if quick:
-    cases = [c for c in cases if (c[1] >= 5 and c[2:] not in RING_LAYERS) or (ring_only and c[2:] in RING_LAYERS)]
+    cases = [c for c in cases
+             if (c[1] >= 5 and c[2:] not in RING_LAYERS) or (ring_only and c[2:] in RING_LAYERS)]
 if k5_only:
     cases = [c for c in cases if c[0] == 5]
 if ring_only:

@@ -1430,12 +1430,13 @@ _K2_RPW2 = 1  # k = 2's two row tiles a warp where _k2_two_row_tiles says (0: ne
 # 8192x57344 -1.1 / +1.0 / +3.6%, 28672x8192 -1.4 / +0.8 / +1.7%, 14336x4096
 # +2.6..3.0%; again at M = 1 / 2 / 4, kernel auto, fp16 and bf16
 # (define_ab_h200_k3_wide_ring_25a51c1_*.txt): 8192x57344 0.98 / 0.99 /
-# 1.01-1.02x, 28672x8192 0.985-0.987 / 0.994-0.997 / 1.007-1.012x, 14336x4096 0.999-1.01 / 1.006-1.012
-# / 1.034-1.038x (4096x28672: 4 warps, K_dim < _K2_WIDE_MIN_K_DIM). H100, 8
-# warps against 4 at a4fd5c1 (define_ab_h100_mma_warps_*_a4fd5c1.txt): M = 4 /
-# 8 8192x57344 1.008 / 1.013x, 14336x4096 1.016 / 1.028x. So from 3 rows. (Its
-# ring of A's stages lost 4-6% on the two largest at 1..2 rows, 3 CTAs an SM
-# at 80 registers: same files, gemm._K3_WIDE=1 column; not kept.)
+# 1.01-1.02x, 28672x8192 0.985-0.987 / 0.994-0.997 / 1.007-1.012x,
+# 14336x4096 0.999-1.01 / 1.006-1.012 / 1.034-1.038x (4096x28672: 4 warps,
+# K_dim < _K2_WIDE_MIN_K_DIM). H100, 8 warps against 4 at a4fd5c1
+# (define_ab_h100_mma_warps_*_a4fd5c1.txt): M = 4 / 8 8192x57344 1.008 /
+# 1.013x, 14336x4096 1.016 / 1.028x. So from 3 rows. (Its ring of A's stages
+# lost 4-6% on the two largest at 1..2 rows, 3 CTAs an SM at 80 registers:
+# the same files' column gemm._K3_WIDE=1, the knob before this one; not kept.)
 _K3_WIDE_MIN_M = 3
 # k = 5 on 16 warps at up to two n8 tiles on the large layers, one CTA per
 # SM, with its 128 KB pair table (gemm_mma.cu kBigPairTable) instead of two
