@@ -714,11 +714,10 @@ def test_a_ring_same_bits(monkeypatch, dtype, split):
     variant (gemm._mma_ring, taken at up to 4 rows) at 1..4 rows: the same
     bits as without (gemm._K4_RING_MAX_M = 0), and k = 5's 16-warp launch
     with the variant's 8 stages (an A/B knob) at 1, 5, 8 rows the same as
-    with its own 4;
-    the rings, with their stages refilled, the same bits over 16 repeats.
-    Then the ring forced (3 and 4 stages) on the 4- and 8-warp launches of k
-    = 2..4: close to the reference, every element written, the same bits
-    twice."""
+    with its own 4; the rings, with their stages refilled, the same bits
+    over 16 repeats. Then the ring forced (3 and 4 stages) on the 4- and
+    8-warp launches of k = 2..4: close to the reference, every element
+    written, the same bits twice."""
     import cupy as cp
 
     from kbit_cupy import _jit, gemm
