@@ -178,6 +178,11 @@ GEMM_DENSE_WG_PRMT_MAX_TILES = 8
 GEMM_SLAB_PRMT_MAX_TILES = 0
 GEMM_DENSE_WG_K5_TABLE_MAX_TILES = 8  # gemm_mma.cu KBIT_DENSE_WG_K5_TABLE_MAX_TILES (k = 5's 128 KB table)
 GEMM_K2_QUAD_TABLE = 1  # gemm_mma.cu KBIT_K2_QUAD_TABLE: k = 2's 64 KB byte table (0: none, A/B runs)
+# mma_common.cuh KBIT_K3_BYTE_LANES: 1 (an A/B knob, off; build with
+# -DKBIT_K3_BYTE_LANES=1 and set this the same before the weights are
+# prepared) lays k = 3's tiles out in byte lanes (gemm.repack_for_gemm), whose
+# pairs the kernels decode with one PRMT each instead of a funnel shift and a LOP3
+GEMM_K3_BYTE_LANES = 0
 PRMT_TABLE_BYTES = 256 * 256  # 256 entries of 256 bytes
 BIG_PAIR_TABLE_BYTES = 1024 * 128  # k = 5's pair table: 1024 entries of 128 bytes
 

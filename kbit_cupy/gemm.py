@@ -106,6 +106,29 @@ def _words_to_bits(xp, words):
     return ((words[..., None] >> lanes) & 1).astype(xp.uint8).reshape(words.shape[:-1] + (-1,))
 
 
+@functools.cache
+def _k3_byte_lane_order() -> np.ndarray:
+    """int64 ``[384]``: for each bit of a lane's k = 3 string in byte lanes
+    (_jit.GEMM_K3_BYTE_LANES; kernels_src/mma_common.cuh kByteLanes), the bit
+    of the plain string (index i's bit b at 3 i + b) it holds. Pair P of the
+    lane's 64 (indices 2P, 2P + 1; its 6 bits: 3 e + b of index 2P + e) goes
+    to group G = P // 16 of three words, as q = P mod 16: q < 12 in the low 6
+    bits of byte q mod 4 of word q // 4; q = 12 + s its bits 2c, 2c + 1 in
+    bits 6, 7 of byte s of word c (c = 0, 1, 2). Every bit is used once."""
+    order = np.full(384, -1, dtype=np.int64)
+    for P in range(64):
+        G, q = divmod(P, 16)
+        for c in range(6):
+            src = 3 * (2 * P + c // 3) + c % 3
+            if q < 12:
+                dst = 96 * G + 32 * (q // 4) + 8 * (q % 4) + c
+            else:
+                dst = 96 * G + 32 * (c // 2) + 8 * (q - 12) + 6 + c % 2
+            order[dst] = src
+    assert sorted(order.tolist()) == list(range(384))
+    return order
+
+
 def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
     """FORMAT.md ``(packed, absmax)`` of a ``[N, K_dim]`` weight -> the mma kernel's tiles.
 
@@ -116,7 +139,9 @@ def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
     its mma A-fragment in k order, see ``kernels_src/gemm_mma.cu``),
     ``scales`` of ``absmax``'s dtype and shape ``(row_tiles, k_tiles, 16, 8)``.
     Rows past ``N`` and columns past ``K_dim`` are padding (index 0, scale 0).
-    ``unpack_from_gemm`` inverts it exactly.
+    ``unpack_from_gemm`` inverts it exactly. (k = 3 under the A/B knob
+    ``_jit.GEMM_K3_BYTE_LANES``: the string's bits in byte lanes,
+    ``_k3_byte_lane_order``.)
     """
     k = check_k(k)
     N, K_dim = check_shape((N, K_dim), "(N, K_dim)")
@@ -147,6 +172,8 @@ def repack_for_gemm(packed, absmax, k: int, N: int, K_dim: int):
         f = f.transpose(0, 3, 2, 6, 4, 1, 5, 7)  # [rt, kt, g, t, j, h, p, e]
         f = f.reshape((r1 - r0) // 16, kt_n, 32, 128)
         bits = ((f[..., None] >> xp.arange(k, dtype=xp.uint8)) & 1).reshape(f.shape[:-1] + (-1,))
+        if k == 3 and _jit.GEMM_K3_BYTE_LANES:
+            bits = bits[..., xp.asarray(_k3_byte_lane_order())]
         words = _bits_to_words(xp, bits)  # [rt, kt, lane, 4k]
         tiles[r0 // 16 : r1 // 16] = words.reshape(words.shape[:3] + (k, 4)).transpose(0, 1, 3, 2, 4)
     scales = xp.zeros((rt_n * ROWS_PER_TILE, kbp), dtype=absmax.dtype)
@@ -168,7 +195,10 @@ def unpack_from_gemm(tiles, scales, k: int, N: int, K_dim: int):
         raise ValueError(f"tiles/scales shapes {tiles.shape}/{scales.shape} do not match [{N}, {K_dim}], k={k}")
     kb = K_dim // BLOCK
     words = tiles.transpose(0, 1, 3, 2, 4).reshape(rt_n, kt_n, 32, 4 * k)
-    bits = _words_to_bits(xp, words).reshape(rt_n, kt_n, 32, 128, k)
+    bits = _words_to_bits(xp, words)
+    if k == 3 and _jit.GEMM_K3_BYTE_LANES:
+        bits = bits[..., xp.asarray(np.argsort(_k3_byte_lane_order()))]
+    bits = bits.reshape(rt_n, kt_n, 32, 128, k)
     f = (bits.astype(xp.uint8) << xp.arange(k, dtype=xp.uint8)).sum(axis=-1, dtype=xp.uint8)
     f = f.reshape(rt_n, kt_n, 8, 4, 8, 2, 4, 2).transpose(0, 5, 2, 1, 4, 6, 3, 7)
     idx = f.reshape(rt_n * ROWS_PER_TILE, kt_n * BLOCKS_PER_TILE, BLOCK)[:N, :kb]

@@ -406,14 +406,14 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
   const unsigned cb_pair = cb | (cb_bits<T, kCbFold>(cb_hi) << 16);
   constexpr bool kPairTable = K == 3;
   constexpr int kPairs = 1 << (2 * K);
-  __shared__ uint4 pair_tab[kPairTable ? kPairs * 8 : 1];
+  __shared__ uint4 pair_tab[kPairTable ? kPairs * kPairEntryU4<K> : 1];
   const unsigned pair_base = kPairTable ? tab_base(pair_tab) : 0u;  // (mma_common.cuh)
   if constexpr (kPairTable) {
     for (int i0 = warp * 32; i0 < kPairs * 8; i0 += blockDim.x) {
       const int i = i0 + lane, b = (i >> 3) & (kPairs - 1);
       const unsigned v = (__shfl_sync(kFullMask, cb, b & ((1 << K) - 1)) & 0xffffu) |
                          (__shfl_sync(kFullMask, cb, b >> K) << 16);
-      if (i < kPairs * 8) pair_tab[i] = make_uint4(v, v, v, v);
+      if (i < kPairs * 8) pair_tab[kByteLanes<K> ? b * 16 + (i & 7) : i] = make_uint4(v, v, v, v);
     }
   }
   auto stamp_loads = [&]() {  // (stamped builds only)

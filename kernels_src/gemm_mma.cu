@@ -159,8 +159,10 @@ static_assert(kConsumerRegs<3> == 160 && kProducerRegs<3> == 32, "three consumer
 
 // The last block (0..7) of a K tile whose decode reads a word of the lane's
 // 16-byte index word q: block j reads bits from 16jK - 7 on (pair_offset).
+// (k = 3's byte lanes, kByteLanes: blocks 2G and 2G + 1 read words 3G .. 3G + 2.)
 template <int K>
 __host__ __device__ constexpr int kReloadAfter(int q) {
+  if (kByteLanes<K>) return 2 * ((4 * q + 3) / 3) + 1 > 7 ? 7 : 2 * ((4 * q + 3) / 3) + 1;
   return (128 * (q + 1) + 7 + 16 * K - 1) / (16 * K) - 1 > 7 ? 7
                                                              : (128 * (q + 1) + 7 + 16 * K - 1) / (16 * K) - 1;
 }
@@ -1208,7 +1210,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
   constexpr bool kPairTable =
       kBigPairTable || (!kPrmtTable && (K == 3 || (K == 4 && (WG || !(M_TILES == 4 && RPW == 1)))));
   constexpr int kPairs = 1 << (2 * K);
-  __shared__ uint4 pair_tab_static[kPairTable && !kBigPairTable ? kPairs * 8 : 1];
+  __shared__ uint4 pair_tab_static[kPairTable && !kBigPairTable ? kPairs * kPairEntryU4<K> : 1];
   uint4* const pair_tab = kBigPairTable ? prmt_tab : pair_tab_static;
   const unsigned pair_base = kBigPairTable ? prmt_base : kPairTable ? tab_base(pair_tab) : 0u;
   if constexpr (kQuadTable) {  // entry (byte v, lane l) at 256 v + 8 l: pairs v & 15, v >> 4
@@ -1242,7 +1244,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const int i = i0 + lane, b = (i >> 3) & (kPairs - 1);
       const unsigned v = (__shfl_sync(kFullMask, cb, b & ((1 << K) - 1)) & 0xffffu) |
                          (__shfl_sync(kFullMask, cb, b >> K) << 16);
-      if (i < kPairs * 8) pair_tab[i] = make_uint4(v, v, v, v);
+      if (i < kPairs * 8) pair_tab[kByteLanes<K> ? b * 16 + (i & 7) : i] = make_uint4(v, v, v, v);
     }
   } else if constexpr (kPairTable) {
     // wgmma: from the codebook in memory (the shuffle build measured 0..3%
@@ -1251,7 +1253,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const int b = i >> 3;
       const unsigned v = cb_bits<T, kCbFold>(codebook[b & ((1 << K) - 1)]) |
                          (cb_bits<T, kCbFold>(codebook[b >> K]) << 16);
-      pair_tab[i] = make_uint4(v, v, v, v);
+      pair_tab[kByteLanes<K> ? b * 16 + (i & 7) : i] = make_uint4(v, v, v, v);
     }
   }
 

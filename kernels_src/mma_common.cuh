@@ -388,6 +388,42 @@ __device__ __forceinline__ unsigned block_scale_pair(const unsigned* sw, int j,
   }
 }
 
+// k = 3's byte lanes (KBIT_K3_BYTE_LANES=1, an A/B knob, off; set
+// _jit.GEMM_K3_BYTE_LANES the same, which lays the tiles out so): the lane's
+// 12 index words as four groups of three, group G holding blocks 2G and 2G + 1
+// (pairs P = 0..15: P = 8 (block - 2G) + 4 h + p). Pair P < 12 sits in the low
+// 6 bits of byte P mod 4 of word P / 4 of the group (masked once a word,
+// then one PRMT makes its table offset); pair 12 + s takes the top two bits
+// of byte s of the group's words 0, 1, 2 as its bits 0-1, 2-3, 4-5 (three
+// shifts and three masks give all four). The pair table has 256-byte
+// entries (16 KB) for the PRMT. Per 16 pairs 3 + 6 + 16 ALU instructions
+// instead of 32 (a funnel shift and a LOP3 a pair), the same 16 loads; the
+// same pairs, so the same bits. gemm.py repack_for_gemm lays it out.
+#ifndef KBIT_K3_BYTE_LANES
+#define KBIT_K3_BYTE_LANES 0
+#endif
+template <int K>
+constexpr bool kByteLanes = K == 3 && KBIT_K3_BYTE_LANES;
+// uint4 per pair-table entry: 8 (128 bytes, the 32 lanes' words), 16 with
+// byte lanes (the offset byte << 8 of a PRMT; the upper half unused)
+template <int K>
+constexpr int kPairEntryU4 = kByteLanes<K> ? 16 : 8;
+
+// Pair f / 2 of k = 3's byte-lane string `w` (see kByteLanes): its entry of
+// the 256-byte-entry pair table at `pair_base`.
+__device__ __forceinline__ unsigned k3_byte_lane_pair(const unsigned (&w)[12], int f, unsigned pair_base,
+                                                      unsigned lane4) {
+  const int group = f >> 5, P = (f >> 1) & 15;
+  const unsigned* g = w + 3 * group;
+  unsigned word;
+  if (P < 12) {
+    word = g[P >> 2] & 0x3f3f3f3fu;
+  } else {
+    word = ((g[0] >> 6) & 0x03030303u) | ((g[1] >> 4) & 0x0c0c0c0cu) | ((g[2] >> 2) & 0x30303030u);
+  }
+  return tab_lookup<unsigned>(pair_base, lane4, word, P & 3);
+}
+
 // The codebook entries of fields f and f + 1 of the lane's index string `w`
 // as a pair in T: k = 2 one shuffle of the lane-register pair table
 // `cb_pair` (lane a | b << 2 holds (codebook[a], codebook[b])); with
@@ -401,6 +437,8 @@ __device__ __forceinline__ unsigned weight_pair(const unsigned (&w)[4 * K], int 
                                                 unsigned lane4) {
   if constexpr (K == 2) {
     return __shfl_sync(kFullMask, cb_pair, field_at<K>(w, f * K));
+  } else if constexpr (kPairTable && kByteLanes<K>) {
+    return k3_byte_lane_pair(w, f, pair_base, lane4);
   } else if constexpr (kPairTable) {
     return lds<unsigned>(pair_base + pair_offset<K>(w, f * K, lane4));
   } else {

@@ -44,6 +44,70 @@ def test_repack_round_trip_is_exact(k, N, kblocks, fmt, seed):
     np.testing.assert_array_equal(absmax, w.absmax)
 
 
+def _k3_pairs_as_kernels_read(words, byte_lanes: bool) -> list[int]:
+    """The 64 pairs (6 bits: index 2P's code, then 2P + 1's) of one lane's 12
+    index words, decoded as mma_common.cuh does: pair_offset's bit string, or
+    k3_byte_lane_pair's masks and bytes."""
+    if not byte_lanes:
+        bits = sum(int(x) << (32 * i) for i, x in enumerate(words))
+        return [(bits >> (6 * P)) & 63 for P in range(64)]
+    pairs = []
+    for P in range(64):
+        G, q = divmod(P, 16)
+        g = [int(x) for x in words[3 * G:3 * G + 3]]
+        if q < 12:
+            word = g[q // 4] & 0x3F3F3F3F
+        else:
+            word = ((g[0] >> 6) & 0x03030303) | ((g[1] >> 4) & 0x0C0C0C0C) | ((g[2] >> 2) & 0x30303030)
+        pairs.append((word >> (8 * (q % 4))) & 0xFF)
+    return pairs
+
+
+@settings(max_examples=15, deadline=None)
+@given(N=st.integers(1, 40), kblocks=st.integers(1, 20), seed=st.integers(0, 2**31))
+def test_k3_byte_lanes_hold_the_same_pairs(N, kblocks, seed):
+    # The A/B knob _jit.GEMM_K3_BYTE_LANES lays k = 3's lane strings out in
+    # byte lanes: the round trip is exact, every bit is moved (a permutation),
+    # and each lane's 64 pairs as the kernels read them (pair table offsets
+    # below 64) are the plain layout's, pair for pair.
+    from kbit_cupy import _jit, gemm
+
+    K_dim = 32 * kblocks
+    W = np.random.default_rng(seed).standard_normal((N, K_dim)).astype(np.float32)
+    w = quantize_weight(W, k=3)
+    plain, _ = repack_for_gemm(w.packed, w.absmax, 3, N, K_dim)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_jit, "GEMM_K3_BYTE_LANES", 1)
+        tiles, scales = repack_for_gemm(w.packed, w.absmax, 3, N, K_dim)
+        packed, absmax = unpack_from_gemm(tiles, scales, 3, N, K_dim)
+    np.testing.assert_array_equal(packed, w.packed)
+    np.testing.assert_array_equal(absmax, w.absmax)
+    order = gemm._k3_byte_lane_order()
+    assert sorted(order.tolist()) == list(range(384))
+    # each lane's 12 words: [row tile, K tile, uint4 q, lane, 4] -> [.., lane, 12]
+    plain_lanes = plain.transpose(0, 1, 3, 2, 4).reshape(-1, 12)
+    for a, b in zip(plain_lanes, tiles.transpose(0, 1, 3, 2, 4).reshape(-1, 12)):
+        want = _k3_pairs_as_kernels_read(a, False)
+        assert _k3_pairs_as_kernels_read(b, True) == want
+        assert max(want) < 64
+
+
+def test_k3_byte_lane_order_places(monkeypatch):
+    # Pair 0 (bits 0..5 of the plain string) in byte 0 of word 0; pair 5 in
+    # byte 1 of word 1; pair 12 of group 1 (pair 28) in the top bits of byte 0
+    # of words 3, 4, 5; only k = 3 is laid out anew.
+    from kbit_cupy import _jit, gemm
+
+    order = gemm._k3_byte_lane_order()
+    assert order[:6].tolist() == list(range(6))
+    assert order[32 + 8:32 + 14].tolist() == list(range(30, 36))
+    assert [order[96 + 32 * c + 6 + e] for c in range(3) for e in range(2)] == list(range(168, 174))
+    w = quantize_weight(np.random.default_rng(2).standard_normal((20, 512)).astype(np.float32), k=4)
+    plain = repack_for_gemm(w.packed, w.absmax, 4, 20, 512)[0]
+    monkeypatch.setattr(_jit, "GEMM_K3_BYTE_LANES", 1)
+    np.testing.assert_array_equal(repack_for_gemm(w.packed, w.absmax, 4, 20, 512)[0], plain)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 @pytest.mark.parametrize("M,N,K_dim", [(1, 1, 32), (3, 7, 96), (17, 129, 64), (65, 33, 288)])

@@ -309,6 +309,54 @@ def test_codebook_fold_same_bits(kernels_built_with, dtype):
         assert same.all(), (kernel, k, A.shape, w.shape, int((~same).sum()))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_k3_byte_lanes_same_bits(monkeypatch, kernels_built_with, dtype):
+    """k = 3's tiles in byte lanes (the A/B knob _jit.GEMM_K3_BYTE_LANES with
+    kernels built with KBIT_K3_BYTE_LANES=1: gemm.repack_for_gemm's layout,
+    mma_common.cuh's decode) give the same bits as the plain layout on every
+    kernel that decodes k = 3: the latency launch (and its cluster split),
+    mma at 4 and 8 warps, wgmma with and without slab staging, the grouped
+    launch and moe_linear's routed one; random index strings, every E4M4 code."""
+    import cupy as cp
+
+    from kbit_cupy import KbitWeight, _jit, _launch, kbit_grouped_gemm, moe_linear, quantize_experts
+    from kbit_cupy.gemm import has_wgmma
+
+    rng = np.random.default_rng(7)
+    cases = [("latency", 1, 2048, 768), ("latency", 16, 129, 800), ("cluster", 40, 768, 2048),
+             ("mma", 1, 1024, 8192), ("mma", 4, 1040, 8448), ("mma", 16, 1024, 8192), ("mma", 33, 300, 512),
+             ("wgmma", 64, 520, 288), ("wgmma", 200, 300, 1280), ("wgmma", 256, 768, 2048)]
+    runs = {"wgmma": has_wgmma(), "cluster": _launch.cluster_launch_supported()}  # (sm_90)
+    cases = [case for case in cases if runs.get(case[0], True)]
+    inputs = []
+    for kernel, M, N, K_dim in cases:
+        blocks = N * K_dim // 32
+        packed = rng.integers(0, 2**32, blocks * 3, dtype=np.uint64).astype(np.uint32)
+        codes = rng.integers(0, 256, blocks, dtype=np.uint8)  # every E4M4 code
+        A = (rng.standard_normal((M, K_dim)) * 0.01).astype(np.dtype(dtype))
+        cb = np.sort(rng.uniform(-1, 1, 8)).astype(np.float32)
+        inputs.append((kernel, KbitWeight(packed, codes, cb, 3, (N, K_dim)), A))
+    experts = quantize_experts(rng.standard_normal((8, 520, 1024)).astype(np.float32), k=3)
+    x = rng.standard_normal((24, 1024)).astype(np.dtype(dtype))
+    ids = rng.integers(0, 8, (24, 2)).astype(np.int32)
+    offsets = np.array([0, 1, 4, 4, 9, 16, 17, 20, 24], np.int32)
+    outs = {}
+    for lanes in (0, 1):
+        kernels_built_with(*(("-DKBIT_K3_BYTE_LANES=1",) if lanes else ()))
+        monkeypatch.setattr(_jit, "GEMM_K3_BYTE_LANES", lanes)
+        for i, (kernel, w, A) in enumerate(inputs):
+            wd = w.to_device()  # a fresh weight: tiles and plans of this layout and build
+            out = cp.full((A.shape[0], w.shape[0]), np.nan, dtype=np.dtype(dtype))
+            outs[lanes, i] = cp.asnumpy(kbit_gemm(cp.asarray(A), wd, out=out, kernel=kernel))
+        ex = experts.to_device()
+        outs[lanes, "grouped"] = cp.asnumpy(kbit_grouped_gemm(cp.asarray(x), ex, cp.asarray(offsets)))
+        outs[lanes, "moe"] = cp.asnumpy(moe_linear(cp.asarray(x), cp.asarray(ids), ex))
+    for key in [*range(len(inputs)), "grouped", "moe"]:
+        assert np.isfinite(outs[1, key].astype(np.float32)).all(), key
+        same = outs[0, key].view(np.uint16) == outs[1, key].view(np.uint16)
+        assert same.all(), (key, int((~same).sum()))
+
+
 @pytest.mark.parametrize("k", [2, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_codebook_fold_chosen_per_weight(monkeypatch, kernel_requests, dtype, k):
