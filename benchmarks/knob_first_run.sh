@@ -74,8 +74,8 @@
 #       of few row tiles (14336x4096 gained 5% there, the wide layers lost 1-1.7%), fp16 and bf16 (~6 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k5-m16-ncu # stall samples of k = 5's 16-warp launch at 8 and 16
 #       rows (one and two n8 tiles: 8-10% slower at two) on 8192x57344 (~3 min)
-#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k3-byte-lanes # k = 3's tiles in byte lanes (KBIT_K3_BYTE_LANES):
-#       SASS of the main loops, the GPU test, A/B auto and mma, fp16 and bf16 (~9 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k3-byte-lanes # k = 3's tiles in byte lanes (KBIT_K3_BYTE_LANES),
+#       also with the scale after (KBIT_SCALE_AFTER_K3): SASS, GPU tests, A/B fp16 and bf16 (~10 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -126,8 +126,10 @@ warm() {
   local label=${commit}_${define:-default}_$*
   label=${label//[^A-Za-z0-9]/_}
   [ -e "/tmp/kbit_warm_$label" ] && return
+  local defs=() d  # (a comma-separated DEFINE: one --define each)
+  for d in ${define//,/ }; do defs+=(--define "$d"); done
   run 150 warm_${tag}_${label}.txt python benchmarks/warm_kernel_cache.py --families "$@" -j 16 \
-    ${define:+--define "$define"} && touch "/tmp/kbit_warm_$label"
+    "${defs[@]}" && touch "/tmp/kbit_warm_$label"
 }
 
 case "${1:-}" in
@@ -632,15 +634,18 @@ case "${1:-}" in
     for m in 8 16; do
       ncu_source ncu_source_mma16_8192x57344_M${m}_k5_${tag}_${commit} "" 8192 57344 $m 5 mma
     done ;;
-  k3-byte-lanes)  # k = 3's tiles in byte lanes (KBIT_K3_BYTE_LANES=1 with _jit.GEMM_K3_BYTE_LANES=1: one PRMT a pair) against the plain layout: SASS, GPU test, A/B
+  k3-byte-lanes)  # k = 3's tiles in byte lanes (KBIT_K3_BYTE_LANES=1 with _jit.GEMM_K3_BYTE_LANES=1: one PRMT a pair), also with the scale after the multiply (KBIT_SCALE_AFTER_K3), against the plain layout: SASS, GPU tests, A/B
     L=KBIT_K3_BYTE_LANES=1,_jit.GEMM_K3_BYTE_LANES=1
     run 180 sass_loop_${tag}_k3_byte_lanes_${commit}.txt python benchmarks/sass_loop.py \
-      3:float16:uint8:1:1 3:float16:uint8:1:1:0:false:8 3:float16:uint8:8:1:4 --define KBIT_K3_BYTE_LANES=1
+      3:float16:uint8:1:1 3:float16:uint8:1:1:0:false:8 3:float16:uint8:8:1:4 --define KBIT_K3_BYTE_LANES=1 \
+      --define KBIT_SCALE_AFTER_K3=1
     warm "" gemm_mma gemm_latency gemm_lut
     warm KBIT_K3_BYTE_LANES=1 gemm_mma gemm_latency
-    run 240 gpu_tests_${tag}_k3_byte_lanes_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k "k3_byte_lanes"
+    warm KBIT_K3_BYTE_LANES=1,KBIT_SCALE_AFTER_K3=1 gemm_mma
+    run 300 gpu_tests_${tag}_k3_byte_lanes_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k "k3_byte_lanes or k3_scale_after"
     for dt in float16 bfloat16; do
-      run 150 define_ab_${tag}_k3_byte_lanes_${commit}_${dt}.txt python benchmarks/define_ab.py --define $L --dtype $dt \
+      run 200 define_ab_${tag}_k3_byte_lanes_${commit}_${dt}.txt python benchmarks/define_ab.py --define $L \
+        --define $L,KBIT_SCALE_AFTER_K3=1 --dtype $dt \
         --layers 8192x57344 28672x8192 4096x28672 14336x4096 4096x6144 --m 1 4 8 16 64 --k 3
     done ;;
   rows-ab)  # (run at 50eb206, k = 5's 8 stages then on, since off) as taken: k = 4's ring at up to 4 rows, k = 5's ring variant (8 stages) at up to 8, k = 3's 8 warps from 3 rows, against the rules before (2, none, never); memcheck of the rings

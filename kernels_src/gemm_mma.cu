@@ -180,11 +180,21 @@ __host__ __device__ constexpr int kReloadAfter(int q) {
 #ifndef KBIT_SCALE_AFTER_WIDE
 #define KBIT_SCALE_AFTER_WIDE 0
 #endif
+// KBIT_SCALE_AFTER_K3=1 (experiment, default 0): also k = 3's dense mma.sync
+// launches at one n8 tile (4 and 8 warps); other bits than without (the
+// scale in fp32 after the multiply), within FORMAT.md section 7. Its HMUL2
+// per pair is 160 of the 878 instructions of two K tiles
+// (results/sass_loop_h200_a4fd5c1.txt); -5..+6% by layer when last measured
+// (30318fa, before the 8-warp launch), for A/B runs with KBIT_K3_BYTE_LANES.
+#ifndef KBIT_SCALE_AFTER_K3
+#define KBIT_SCALE_AFTER_K3 0
+#endif
 template <int K, int SCALE_BYTES, int M_TILES, int RPW, int WG, bool GROUPED, int WARPS = 4>
 constexpr bool kScaleAfterOf =
     SCALE_BYTES == 1 && RPW == 1 && WG == 0 &&
     ((K == 4 && M_TILES == 1 && (!GROUPED || WARPS == 8)) ||
-     (KBIT_SCALE_AFTER_WIDE && M_TILES == 1 && (K == 2 || K == 5) && !GROUPED && WARPS >= 8));
+     (KBIT_SCALE_AFTER_WIDE && M_TILES == 1 && (K == 2 || K == 5) && !GROUPED && WARPS >= 8) ||
+     (KBIT_SCALE_AFTER_K3 && M_TILES == 1 && K == 3 && !GROUPED));
 // With the scale after the multiply, five CTAs: ptxas otherwise hoists the
 // decode of later blocks (the multiplies no longer form one chain) and takes
 // 144 registers; at five, 96 and no spill, and the 33 KB of tables already

@@ -357,6 +357,29 @@ def test_k3_byte_lanes_same_bits(monkeypatch, kernels_built_with, dtype):
         assert same.all(), (key, int((~same).sum()))
 
 
+@pytest.mark.parametrize("split", ["stream-k", "split-k"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_k3_scale_after_within_contract(monkeypatch, kernels_built_with, dtype, split):
+    """k = 3's dense mma launches at one n8 tile built with
+    KBIT_SCALE_AFTER_K3=1 (an A/B knob: the block scale applied in fp32 after
+    the multiply), with and without byte lanes (KBIT_K3_BYTE_LANES): close to
+    the reference, every element written (run_case), the same bits again; 4
+    warps and 8 (from 3 rows where K_dim >= 8192), one K tile, a short group."""
+    import cupy as cp
+
+    from kbit_cupy import _jit, gemm
+
+    needs_kernel("mma")
+    monkeypatch.setattr(gemm, "_STREAM_K_SLACK", -10**6 if split == "stream-k" else 10**6)
+    for lanes in (0, 1):
+        kernels_built_with("-DKBIT_SCALE_AFTER_K3=1", *(("-DKBIT_K3_BYTE_LANES=1",) if lanes else ()))
+        monkeypatch.setattr(_jit, "GEMM_K3_BYTE_LANES", lanes)
+        for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (5, 300, 512)]:
+            w, A, C = run_case(M, N, K_dim, 3, dtype, "mma", seed=M + lanes)
+            again = kbit_gemm(cp.asarray(A), w, kernel="mma")
+            assert (again.view(cp.uint16) == C.view(cp.uint16)).all(), (lanes, M, N, K_dim)
+
+
 @pytest.mark.parametrize("k", [2, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_codebook_fold_chosen_per_weight(monkeypatch, kernel_requests, dtype, k):
