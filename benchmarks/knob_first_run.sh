@@ -75,7 +75,8 @@
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k5-m16-ncu # stall samples of k = 5's 16-warp launch at 8 and 16
 #       rows (one and two n8 tiles: 8-10% slower at two) on 8192x57344 (~3 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k3-byte-lanes # k = 3's tiles in byte lanes (KBIT_K3_BYTE_LANES),
-#       also with the scale after (KBIT_SCALE_AFTER_K3): SASS, GPU tests, A/B fp16 and bf16 (~10 min)
+#       also with the scale after (KBIT_SCALE_AFTER_K3): SASS of the loops, GPU tests (~8 min)
+#   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh k3-byte-lanes-ab # their A/B, fp16 and bf16 (~7 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh memcheck   # (~8 min)
 #   KBIT_COMMIT=<commit> bash benchmarks/knob_first_run.sh racecheck  # (~9 min)
 # Each step warms the kernel cache it needs first (the machine keeps it while
@@ -634,15 +635,19 @@ case "${1:-}" in
     for m in 8 16; do
       ncu_source ncu_source_mma16_8192x57344_M${m}_k5_${tag}_${commit} "" 8192 57344 $m 5 mma
     done ;;
-  k3-byte-lanes)  # k = 3's tiles in byte lanes (KBIT_K3_BYTE_LANES=1 with _jit.GEMM_K3_BYTE_LANES=1: one PRMT a pair), also with the scale after the multiply (KBIT_SCALE_AFTER_K3), against the plain layout: SASS, GPU tests, A/B
-    L=KBIT_K3_BYTE_LANES=1,_jit.GEMM_K3_BYTE_LANES=1
+  k3-byte-lanes)  # k = 3's tiles in byte lanes (KBIT_K3_BYTE_LANES=1 with _jit.GEMM_K3_BYTE_LANES=1: one PRMT a pair), also with the scale after the multiply (KBIT_SCALE_AFTER_K3): SASS of the loops, GPU tests
     run 180 sass_loop_${tag}_k3_byte_lanes_${commit}.txt python benchmarks/sass_loop.py \
       3:float16:uint8:1:1 3:float16:uint8:1:1:0:false:8 3:float16:uint8:8:1:4 --define KBIT_K3_BYTE_LANES=1 \
       --define KBIT_SCALE_AFTER_K3=1
     warm "" gemm_mma gemm_latency gemm_lut
     warm KBIT_K3_BYTE_LANES=1 gemm_mma gemm_latency
     warm KBIT_K3_BYTE_LANES=1,KBIT_SCALE_AFTER_K3=1 gemm_mma
-    run 300 gpu_tests_${tag}_k3_byte_lanes_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k "k3_byte_lanes or k3_scale_after"
+    run 300 gpu_tests_${tag}_k3_byte_lanes_${commit}.txt python -m pytest -q tests/test_gpu_gemm.py -k "k3_byte_lanes or k3_scale_after" ;;
+  k3-byte-lanes-ab)  # their A/B: byte lanes, and byte lanes with the scale after, against the plain layout, fp16 and bf16
+    L=KBIT_K3_BYTE_LANES=1,_jit.GEMM_K3_BYTE_LANES=1
+    warm "" gemm_mma gemm_latency gemm_lut
+    warm KBIT_K3_BYTE_LANES=1 gemm_mma gemm_latency
+    warm KBIT_K3_BYTE_LANES=1,KBIT_SCALE_AFTER_K3=1 gemm_mma
     for dt in float16 bfloat16; do
       run 200 define_ab_${tag}_k3_byte_lanes_${commit}_${dt}.txt python benchmarks/define_ab.py --define $L \
         --define $L,KBIT_SCALE_AFTER_K3=1 --dtype $dt \
