@@ -9,7 +9,7 @@ warp); the 16-warp k = 5 launch (gemm._K5_TABLE) at M <= 16 (with the ring
 variant's 8 stages where its knob asks); the Hopper path's four-warpgroup
 launch at 6..16 rows. E4M4, large-layer shapes (one short group, several),
 both work splits, fp16 and bf16; each result checked finite (poisoned
-output). (k = 3's 8-warp launch, from 3 rows, is not among them.)
+output). k = 3's 8-warp launch (from 3 rows where K_dim >= 8192) too.
 
 racecheck and the rings (--ring, and k = 5's launches where a CTA has more K
 tiles than stages): racecheck (2025.3) reports every refill of a stage as a
@@ -37,7 +37,7 @@ for spec in (a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--define=
 rng = np.random.default_rng(0)
 count = 0
 wide_n = 32 * cp.cuda.Device().attributes["MultiProcessorCount"] + 80  # k = 2: two row tiles a warp
-cases = [(k, M, N, K_dim) for k in ((2, 4) if _jit.GEMM_K2_QUAD_TABLE else (4,))
+cases = [(k, M, N, K_dim) for k in ((2, 3, 4) if _jit.GEMM_K2_QUAD_TABLE else (3, 4))
          for M, N, K_dim in [(1, 40, 8192), (3, 1040, 8448), (8, 16400, 256), (6, 16400, 256),
                              (7, 1040, 8448), (4, wide_n, 8192)]
          if gemm._mma_warps(k, np.uint8, M, 1, N, K_dim) == 8]
