@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(32 * (CLUSTER ? kClusterMaxWarps : kLatencyMax
       const int i = i0 + lane, b = (i >> 3) & (kPairs - 1);
       const unsigned v = (__shfl_sync(kFullMask, cb, b & ((1 << K) - 1)) & 0xffffu) |
                          (__shfl_sync(kFullMask, cb, b >> K) << 16);
-      if (i < kPairs * 8) pair_tab[kByteLanes<K> ? b * 16 + (i & 7) : i] = make_uint4(v, v, v, v);
+      if (i < kPairs * 8) pair_tab[pair_tab_slot<K>(i)] = make_uint4(v, v, v, v);
     }
   }
   auto stamp_loads = [&]() {  // (stamped builds only)

@@ -1254,7 +1254,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const int i = i0 + lane, b = (i >> 3) & (kPairs - 1);
       const unsigned v = (__shfl_sync(kFullMask, cb, b & ((1 << K) - 1)) & 0xffffu) |
                          (__shfl_sync(kFullMask, cb, b >> K) << 16);
-      if (i < kPairs * 8) pair_tab[kByteLanes<K> ? b * 16 + (i & 7) : i] = make_uint4(v, v, v, v);
+      if (i < kPairs * 8) pair_tab[pair_tab_slot<K>(i)] = make_uint4(v, v, v, v);
     }
   } else if constexpr (kPairTable) {
     // wgmma: from the codebook in memory (the shuffle build measured 0..3%
@@ -1263,7 +1263,7 @@ __global__ void __launch_bounds__(WG ? 128 * (WG + (M_TILES >= kSlabMinTiles)) :
       const int b = i >> 3;
       const unsigned v = cb_bits<T, kCbFold>(codebook[b & ((1 << K) - 1)]) |
                          (cb_bits<T, kCbFold>(codebook[b >> K]) << 16);
-      pair_tab[kByteLanes<K> ? b * 16 + (i & 7) : i] = make_uint4(v, v, v, v);
+      pair_tab[pair_tab_slot<K>(i)] = make_uint4(v, v, v, v);
     }
   }
 

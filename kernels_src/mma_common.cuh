@@ -408,6 +408,12 @@ constexpr bool kByteLanes = K == 3 && KBIT_K3_BYTE_LANES;
 // byte lanes (the offset byte << 8 of a PRMT; the upper half unused)
 template <int K>
 constexpr int kPairEntryU4 = kByteLanes<K> ? 16 : 8;
+// Where the pair tables' builders store uint4 i (i < 8 x pairs; 8 a pair):
+// i itself, or with byte lanes at 16 a pair.
+template <int K>
+__device__ __forceinline__ int pair_tab_slot(int i) {
+  return kByteLanes<K> ? (i >> 3) * 16 + (i & 7) : i;
+}
 
 // Pair f / 2 of k = 3's byte-lane string `w` (see kByteLanes): its entry of
 // the 256-byte-entry pair table at `pair_base`.
